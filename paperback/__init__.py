@@ -1,0 +1,3 @@
+"""paperback: run large language models lighter."""
+
+__version__ = "0.1.0"

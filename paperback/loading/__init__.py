@@ -1,0 +1,105 @@
+"""Load a model: config, tokenizer and weights into paperback's PyTorch modules."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from paperback.errors import ModelFileError, PaperbackError
+from paperback.loading.gguf_file import GGUFModelFile
+from paperback.loading.hf_dir import HFModelDir
+from paperback.loading.sources import ModelSource, resolve_model
+from paperback.loading.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+from paperback.models import DecoderLM, ModelConfig, build_model
+from paperback.models.layers import RotaryEmbedding
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+# Keys some checkpoints carry that are derived, not learned.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: ModelSource
+    dtype: torch.dtype
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise PaperbackError(f"unknown dtype '{name}' (choose from fp32, bf16, fp16)")
+    return DTYPES[name]
+
+
+def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str, total: int | None = None) -> DecoderLM:
+    """Build the model on the meta device and assign checked tensors into it."""
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tqdm(tensors, total=total, desc=f"loading {label}", unit="tensor", leave=False):
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in expected:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some tied checkpoints store the head anyway
+            raise ModelFileError(f"{label}: unexpected tensor '{name}' for a {config.family} model")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ModelFileError(
+                f"{label}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise ModelFileError(f"{label}: tensor '{name}' holds NaN or infinite values")
+        state[name] = tensor.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelFileError(f"{label}: missing tensors: {shown}")
+    model.load_state_dict(state, assign=True, strict=True)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def _generation_eos(path) -> tuple[int, ...]:
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return ()
+    try:
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, OSError):
+        return ()
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_model(spec: str | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True) -> LoadedModel:
+    """Load a bundled model name, a .gguf file or a Hugging Face directory."""
+    dtype = parse_dtype(dtype)
+    source = resolve_model(spec)
+    if source.kind == "gguf":
+        gguf_file = GGUFModelFile(source.path)
+        config = gguf_file.config()
+        tensors, total = gguf_file.tensors(config), len(gguf_file.reader.tensors)
+        eot = gguf_file.metadata("tokenizer.ggml.eot_token_id")
+        tokenizer = tokenizer_from_gguf(source.path, (int(eot),) if eot is not None else ()) if with_tokenizer else None
+    else:
+        hf_dir = HFModelDir(source.path)
+        config = hf_dir.config()
+        tensors, total = hf_dir.tensors(config), None
+        tokenizer = tokenizer_from_dir(source.path, _generation_eos(source.path)) if with_tokenizer else None
+    model = assemble_model(config, tensors, dtype, source.label, total)
+    return LoadedModel(model, tokenizer, config, source, dtype)
+
+
+__all__ = ["LoadedModel", "load_model", "parse_dtype", "assemble_model", "resolve_model", "Tokenizer"]

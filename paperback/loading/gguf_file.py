@@ -1,0 +1,163 @@
+"""Read a GGUF file: model config from its metadata, weights dequantized to fp32.
+
+Dequantization goes through the `gguf` package (the same code `transformers`
+uses), so the weights are the reference both engines compute with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paperback.errors import ModelFileError, UnsupportedModelError
+from paperback.loading.weight_names import GGUF_ARCHS, GGUFArch, gguf_to_model_name
+from paperback.models.config import ModelConfig, RopeConfig
+
+GEMMA3_SLIDING_PATTERN = 6  # every 6th Gemma 3 layer is global; GGUF does not store it
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+class GGUFModelFile:
+    """An opened GGUF file. Reading is lazy: tensors are memory-mapped."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"model file not found: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as exc:  # the reader raises many types on bad bytes
+            raise ModelFileError(
+                f"{self.path} is not a readable GGUF file (truncated or corrupt?): {exc}"
+            ) from None
+        size = os.path.getsize(self.path)
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelFileError(
+                    f"{self.path} is truncated: tensor '{t.name}' ends at byte "
+                    f"{t.data_offset + t.n_bytes:,} but the file has {size:,} bytes"
+                )
+        self.arch_name = str(self._field("general.architecture", required=True))
+        if self.arch_name not in GGUF_ARCHS:
+            raise UnsupportedModelError(
+                f"GGUF architecture '{self.arch_name}' is not supported "
+                f"(supported: {', '.join(sorted(GGUF_ARCHS))})"
+            )
+        self.arch: GGUFArch = GGUF_ARCHS[self.arch_name]
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def _field(self, key: str, default=None, required: bool = False):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if required:
+                raise ModelFileError(f"{self.path} lacks the required metadata field '{key}'")
+            return default
+        try:
+            return field.contents()
+        except Exception:
+            raise ModelFileError(f"{self.path}: metadata field '{key}' is corrupt") from None
+
+    def _arch_field(self, key: str, default=None, required: bool = False):
+        return self._field(f"{self.arch_name}.{key}", default, required)
+
+    def metadata(self, key: str, default=None):
+        """Any metadata value by its full key (e.g. `tokenizer.chat_template`)."""
+        return self._field(key, default)
+
+    def config(self) -> ModelConfig:
+        hidden = int(self._arch_field("embedding_length", required=True))
+        heads = int(self._arch_field("attention.head_count", required=True))
+        kv_heads = int(self._arch_field("attention.head_count_kv", heads))
+        layers = int(self._arch_field("block_count", required=True))
+        tokens = self._field("tokenizer.ggml.tokens")
+        vocab = int(self._arch_field("vocab_size", len(tokens) if tokens else 0))
+        if not vocab:
+            raise ModelFileError(f"{self.path} states no vocabulary size")
+        family = self.arch.family
+        kwargs: dict = {}
+        if family == "gemma3":
+            window = int(self._arch_field("attention.sliding_window", required=True))
+            kwargs.update(
+                hidden_act="gelu_tanh",
+                sliding_window=window,
+                layer_types=tuple(
+                    "full" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding" for i in range(layers)
+                ),
+                rope_local=RopeConfig(theta=GEMMA3_LOCAL_ROPE_THETA),
+            )
+        head_dim = int(self._arch_field("attention.key_length", hidden // heads))
+        return ModelConfig(
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(self._arch_field("feed_forward_length", required=True)),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            max_position_embeddings=int(self._arch_field("context_length", 2048)),
+            rope=self._rope(),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            attention_bias="blk.0.attn_q.bias" in self.tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
+            name=str(self._field("general.name", self.path.stem)),
+            **kwargs,
+        )
+
+    def _rope(self) -> RopeConfig:
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        scaling = str(self._arch_field("rope.scaling.type", "none"))
+        factor = float(self._arch_field("rope.scaling.factor", 1.0))
+        freq_factors = None
+        if "rope_freqs.weight" in self.tensor_names:
+            tensor = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+            freq_factors = tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32))
+        if scaling in ("none", "") or factor == 1.0:
+            return RopeConfig(theta=theta, freq_factors=freq_factors)
+        if scaling != "linear":
+            raise UnsupportedModelError(f"{self.path}: RoPE scaling '{scaling}' is not supported")
+        return RopeConfig(theta=theta, scaling_type="linear", factor=factor, freq_factors=freq_factors)
+
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """(paperback name, fp32 tensor) for every weight the model uses."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        for t in self.reader.tensors:
+            name = gguf_to_model_name(t.name, self.arch)
+            if name is None:
+                continue
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            try:
+                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                     GGMLQuantizationType.BF16):
+                    values = dequantize(np.asarray(t.data), t.tensor_type)
+                else:
+                    values = dequantize(t.data, t.tensor_type)
+                values = np.array(values, dtype=np.float32).reshape(shape)  # a writable copy
+            except NotImplementedError:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"
+                ) from None
+            except ValueError as exc:
+                raise ModelFileError(f"{self.path}: tensor '{t.name}' is malformed: {exc}") from None
+            if self.arch.unpermute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+                values = unpermute_rope_rows(values, heads)
+            if self.arch.norm_offset and "norm.weight" in t.name:
+                values = values - np.float32(self.arch.norm_offset)
+            yield name, torch.from_numpy(values)
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs -> two halves."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

@@ -1,0 +1,84 @@
+"""Tokenizer with chat template, from a GGUF file's metadata or a model directory.
+
+`transformers` does the conversion (GGUF vocabularies become a fast
+`tokenizers` tokenizer). Converting a 262k-token SentencePiece vocabulary takes
+seconds, so the converted tokenizer is cached on disk, keyed by the file's
+identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from paperback.errors import ModelFileError, PaperbackError
+
+# End-of-turn tokens of common chat formats; generation stops at them too.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAPERBACK_CACHE", Path.home() / ".cache" / "paperback"))
+
+
+class Tokenizer:
+    """Thin wrapper over a `transformers` fast tokenizer with the calls paperback needs."""
+
+    def __init__(self, hf_tokenizer, extra_eos_ids: tuple[int, ...] = ()):
+        self.hf = hf_tokenizer
+        vocab = hf_tokenizer.get_vocab()
+        eos = {i for i in (hf_tokenizer.eos_token_id, *extra_eos_ids) if i is not None}
+        self.eos_token_ids = frozenset(eos)
+        self.end_of_turn_ids = frozenset(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab) | self.eos_token_ids
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.vocab_size = len(hf_tokenizer)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None) or None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise PaperbackError("this model has no chat template; pass a plain prompt (drop --chat)")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def tokenizer_from_gguf(path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    cached = cache_dir() / "tokenizers" / _file_key(path)
+    try:
+        if (cached / "tokenizer_config.json").exists():
+            return Tokenizer(AutoTokenizer.from_pretrained(cached), eos_ids)
+        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFileError(f"{path}: could not build a tokenizer from its metadata: {exc}") from None
+    try:
+        hf.save_pretrained(cached)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return Tokenizer(hf, eos_ids)
+
+
+def tokenizer_from_dir(path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer.model").exists()):
+        raise ModelFileError(f"{path} has no tokenizer.json (or tokenizer.model)")
+    try:
+        return Tokenizer(AutoTokenizer.from_pretrained(path), eos_ids)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFileError(f"{path}: could not load its tokenizer: {exc}") from None

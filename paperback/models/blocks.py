@@ -1,0 +1,137 @@
+"""Attention, MLP and the decoder skeleton shared by the model families.
+
+Weights use Hugging Face parameter names (`model.layers.N.self_attn.q_proj`),
+so a `transformers` safetensors checkpoint loads without renaming and GGUF
+files are mapped onto the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from paperback.models.config import ModelConfig
+from paperback.models.layers import RMSNorm, RotaryEmbedding, apply_rope, attend, gated_mlp_act
+
+
+class KVCache(Protocol):
+    """What a model needs from a cache: store new keys/values, return all of them."""
+
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (B, Hkv, T, D) for positions start_pos..; returns (B, Hkv, start_pos + T, D)."""
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, scaling: float, unit_offset_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = scaling
+        self.window = config.window_of(layer_idx)
+        bias = config.attention_bias
+        c, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(c, config.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(c, config.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(c, config.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * d, c, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, unit_offset_norm)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, unit_offset_norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, start_pos: int, kv_cache: KVCache | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
+        out = attend(q, k, v, start_pos, self.scaling, self.window)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = gated_mlp_act(config.hidden_act)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBackbone(nn.Module):
+    """Embedding, a stack of layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], final_norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = final_norm
+
+
+class DecoderLM(nn.Module):
+    """A causal language model: token ids in, final hidden states or logits out.
+
+    Subclasses build `self.model` (a `DecoderBackbone`) and may scale the
+    embeddings; `rotary_for(layer_idx)` picks the RoPE table of a layer.
+    """
+
+    config: ModelConfig
+    model: DecoderBackbone
+
+    def _init_head(self, config: ModelConfig):
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def rotary_for(self, layer_idx: int) -> RotaryEmbedding:
+        raise NotImplementedError
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """input_ids (B, T) at positions start_pos..; returns normed hidden (B, T, C)."""
+        x = self.embed(input_ids)
+        positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for idx, layer in enumerate(self.model.layers):
+            rotary = self.rotary_for(idx)
+            if id(rotary) not in tables:
+                tables[id(rotary)] = rotary(positions, x.dtype)
+            cos, sin = tables[id(rotary)]
+            x = layer(x, cos, sin, start_pos, kv_cache)
+        return self.model.norm(x)
+
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) matrix of the output head (the embedding when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., V) in the model dtype."""
+        return torch.nn.functional.linear(hidden, self.output_weight())
+
+    def forward(
+        self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (B, T, V), or (B, 1, V) for the last position when last_only."""
+        hidden = self.hidden_states(input_ids, start_pos, kv_cache)
+        if last_only:
+            hidden = hidden[:, -1:]
+        return self.logits(hidden)
