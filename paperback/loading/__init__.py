@@ -45,7 +45,8 @@ def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str,
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(tensors, total=total, desc=f"loading {label}", unit="tensor", leave=False):
+    for name, tensor in tqdm(tensors, total=total, desc=f"loading {label}", unit="tensor",
+                             leave=False, disable=None):
         if name.endswith(IGNORED_SUFFIXES):
             continue
         if name not in expected:

@@ -1,0 +1,5 @@
+import sys
+
+from paperback.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Speed benchmarks: paperback beside transformers, with the memory roofline."""

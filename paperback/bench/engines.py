@@ -1,0 +1,172 @@
+"""Speed measurements of one engine, run inside a fresh worker process.
+
+Each engine is timed the same way: prefill = one forward over the prompt that
+returns the last position's logits; decode = timestamps of every generated
+token (greedy, EOS ignored), so time to first token and tokens/s come from the
+same run. Peak RSS is the worker's own high-water mark, so engines never
+share memory figures.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from paperback.bench.workloads import text_prompts
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "smollm2"
+    dtype: str = "fp32"
+    prompt_tokens: int = 512
+    decode_tokens: int = 32
+    batches: tuple[int, ...] = (1, 8)
+    repeats: int = 3
+    dataset: str = "wikitext2"
+
+    def __post_init__(self):
+        from paperback.errors import PaperbackError
+
+        if self.prompt_tokens < 1 or self.decode_tokens < 2 or self.repeats < 1:
+            raise PaperbackError("prompt tokens >= 1, decode tokens >= 2 and repeats >= 1 are required")
+        if not self.batches or min(self.batches) < 1:
+            raise PaperbackError("batch sizes must be positive")
+        object.__setattr__(self, "batches", tuple(self.batches))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_bytes() -> int:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024 if sys.platform != "darwin" else kib
+
+
+class PaperbackEngine:
+    name = "paperback"
+
+    def __init__(self, cfg: BenchConfig):
+        from paperback.loading import load_model
+
+        self.lm = load_model(cfg.model, cfg.dtype)
+        self.tokenizer = self.lm.tokenizer
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> None:
+        from paperback.generation.kv_cache import ContiguousKVCache
+
+        model = self.lm.model
+        cache = ContiguousKVCache(model.config, ids.shape[0], ids.shape[1], self.lm.dtype)
+        model(ids, 0, cache, last_only=True)
+
+    def decode_timestamps(self, ids: torch.Tensor, new_tokens: int) -> list[float]:
+        from paperback.generation import SamplingParams, generate_tokens
+
+        stamps = []
+        for _ in generate_tokens(self.lm.model, ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+            stamps.append(time.perf_counter())
+        return stamps
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, cfg: BenchConfig):
+        from transformers import AutoModelForCausalLM
+
+        from paperback.loading import parse_dtype, resolve_model
+        from paperback.loading.tokenizer import tokenizer_from_dir, tokenizer_from_gguf
+
+        source = resolve_model(cfg.model)
+        dtype = parse_dtype(cfg.dtype)
+        if source.kind == "gguf":
+            self.tokenizer = tokenizer_from_gguf(source.path)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                source.path.parent, gguf_file=source.path.name, dtype=dtype)
+        else:
+            self.tokenizer = tokenizer_from_dir(source.path)
+            self.model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.model(ids, use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def decode_timestamps(self, ids: torch.Tensor, new_tokens: int) -> list[float]:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        stamps: list[float] = []
+
+        class StepClock(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
+        self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, logits_processor=LogitsProcessorList([StepClock()]),
+            pad_token_id=self.tokenizer.hf.pad_token_id or 0,
+        )
+        return stamps
+
+
+ENGINES = {"paperback": PaperbackEngine, "transformers": TransformersEngine}
+
+
+def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
+    """All measurements of one engine; called in a worker process."""
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    engine = ENGINES[engine_name](cfg)
+    load_s = time.perf_counter() - start
+    prompts = text_prompts(engine.tokenizer, max(cfg.batches), cfg.prompt_tokens, cfg.dataset)
+    single = prompts[:1]
+    engine.prefill(single[:, :16])  # warm-up: first-call allocations
+    prefill_times = []
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        engine.prefill(single)
+        prefill_times.append(time.perf_counter() - t0)
+    prefill_s = statistics.median(prefill_times)
+    result = {
+        "engine": engine_name,
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": cfg.prompt_tokens / prefill_s,
+        "decode": {},
+        "threads": torch.get_num_threads(),
+    }
+    for batch in cfg.batches:
+        runs = []
+        for _ in range(cfg.repeats if batch == 1 else 1):
+            t0 = time.perf_counter()
+            stamps = engine.decode_timestamps(prompts[:batch], cfg.decode_tokens)
+            runs.append((stamps[0] - t0, batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])))
+        result["decode"][str(batch)] = {
+            "time_to_first_token_s": statistics.median(r[0] for r in runs),
+            "decode_tokens_per_s": statistics.median(r[1] for r in runs),
+        }
+    if engine_name == "paperback":
+        result["model"] = _model_facts(engine.lm, cfg)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    return result
+
+
+def _model_facts(lm, cfg: BenchConfig) -> dict:
+    from paperback.memory import kv_bytes_per_token, module_bytes, weight_bytes_read_per_step
+
+    return {
+        "name": lm.config.name,
+        "family": lm.config.family,
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "weight_bytes": module_bytes(lm.model),
+        "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
+        "kv_bytes_per_token": kv_bytes_per_token(lm.config, lm.dtype),
+    }

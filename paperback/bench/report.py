@@ -1,0 +1,79 @@
+"""Run each engine in its own process and put them side by side with the roofline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from paperback.bench.engines import BenchConfig
+from paperback.bench.roofline import DecodeRoofline, measure_read_bandwidth
+from paperback.errors import PaperbackError
+
+RESULT_PREFIX = "PAPERBACK_RESULT "
+
+
+def run_in_worker(engine: str, cfg: BenchConfig) -> dict:
+    cmd = [sys.executable, "-m", "paperback.bench.worker", engine, json.dumps(cfg.to_dict())]
+    env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise PaperbackError(f"the {engine} bench worker failed: {tail}")
+
+
+def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",)) -> dict:
+    results = {"paperback": run_in_worker("paperback", cfg)}
+    for peer in peers:
+        results[peer] = run_in_worker(peer, cfg)
+    bandwidth = measure_read_bandwidth()
+    facts = results["paperback"]["model"]
+    context = cfg.prompt_tokens + cfg.decode_tokens // 2
+    rooflines = {}
+    for batch in cfg.batches:
+        # Dense cache read at the mean decode context; sliding windows ignored (an upper bound on bytes).
+        roof = DecodeRoofline(batch, context, facts["weight_bytes_read_per_step"],
+                              facts["kv_bytes_per_token"] * context, bandwidth)
+        rooflines[str(batch)] = roof.to_dict()
+    return {"config": cfg.to_dict(), "engines": results, "bandwidth_bytes_per_s": bandwidth,
+            "roofline": rooflines}
+
+
+def bench_rows(report: dict) -> list[list[str]]:
+    """Rows: metric, each engine, ratio paperback / first peer, roofline."""
+    engines = report["engines"]
+    names = list(engines)
+    peer = names[1] if len(names) > 1 else None
+
+    def row(label, values, fmt, higher_is_better=True, roof=""):
+        cells = [label] + [fmt.format(v) for v in values]
+        if peer is not None:
+            ratio = values[0] / values[1] if higher_is_better else values[1] / values[0]
+            cells.append(f"{ratio:.2f}x")
+        return cells + [roof]
+
+    rows = [row("prefill tokens/s", [engines[n]["prefill_tokens_per_s"] for n in names], "{:.1f}")]
+    for batch in report["config"]["batches"]:
+        key = str(batch)
+        roof = report["roofline"][key]["max_tokens_per_s"]
+        rows.append(row(f"decode tokens/s, batch {batch}",
+                        [engines[n]["decode"][key]["decode_tokens_per_s"] for n in names], "{:.1f}",
+                        roof=f"{roof:.1f}"))
+    rows.append(row("time to first token (s), batch 1",
+                    [engines[n]["decode"]["1"]["time_to_first_token_s"] for n in names], "{:.3f}",
+                    higher_is_better=False))
+    rows.append(row("peak RSS (MiB)", [engines[n]["peak_rss_bytes"] / 2**20 for n in names], "{:.0f}",
+                    higher_is_better=False))
+    rows.append(row("load time (s)", [engines[n]["load_s"] for n in names], "{:.1f}", higher_is_better=False))
+    return rows
+
+
+def bench_columns(report: dict) -> list[str]:
+    names = list(report["engines"])
+    cols = ["metric"] + names
+    if len(names) > 1:
+        cols.append(f"paperback vs {names[1]}")
+    return cols + ["roofline bound"]

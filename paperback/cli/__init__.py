@@ -1,0 +1,43 @@
+"""The `paperback` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from paperback import __version__
+from paperback.cli import bench_cmd, demo_cmd, eval_cmd, generate_cmd, info_cmd
+from paperback.errors import PaperbackError
+
+COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, demo_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paperback",
+        description="Run large language models lighter: load, generate, evaluate and benchmark.",
+    )
+    parser.add_argument("--version", action="version", version=f"paperback {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PaperbackError as exc:
+        print(f"paperback: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paperback: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""`paperback bench [MODEL]`: paperback beside transformers, with the roofline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.output import note, print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="prefill/decode speed, time to first token and peak memory vs transformers",
+                       description="Each engine runs in its own process on the same prompts (slices of "
+                                   "WikiText-2); the table shows both, their ratio and the decode roofline "
+                                   "(measured memory bandwidth / bytes read per step).")
+    add_model_arg(p)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
+    add_dtype_arg(p)
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.bench.engines import BenchConfig
+    from paperback.bench.report import bench_columns, bench_rows, run_bench
+
+    cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                      decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats)
+    peers = () if args.peer == "none" else (args.peer,)
+    if not args.json:
+        note(f"benchmarking {args.model} ({args.dtype}) against {', '.join(peers) or 'nothing'}; "
+             "each engine loads in its own process...")
+    report = run_bench(cfg, peers)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2))
+    if args.json:
+        print_json(report)
+        return 0
+    print_table(f"{args.model} ({args.dtype}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
+                f"{report['engines']['paperback']['threads']} threads",
+                bench_columns(report), bench_rows(report))
+    bw = report["bandwidth_bytes_per_s"] / 1e9
+    roof = report["roofline"][str(cfg.batches[0])]
+    note(f"roofline: measured read bandwidth {bw:.1f} GB/s; a decode step at batch {roof['batch']} reads "
+         f"{roof['bytes_per_step'] / 2**20:.0f} MiB (weights {roof['weight_bytes'] / 2**20:.0f} MiB + KV "
+         f"{roof['kv_bytes_per_sequence'] / 2**20:.1f} MiB per sequence at {roof['context']} tokens)")
+    return 0

@@ -1,0 +1,47 @@
+"""`paperback info [MODEL]`: configuration, parameters and bytes."""
+
+from __future__ import annotations
+
+import argparse
+
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.output import print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="show a model's configuration, parameter count and memory per token")
+    add_model_arg(p)
+    add_dtype_arg(p)
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.loading import load_model
+    from paperback.memory import kv_bytes_per_token, module_bytes
+
+    lm = load_model(args.model, args.dtype)
+    cfg = lm.config
+    facts = {
+        "source": str(lm.source.path),
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "weight_bytes": module_bytes(lm.model),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, lm.dtype),
+        "chat_template": lm.tokenizer.chat_template is not None,
+        "config": cfg.to_dict(),
+    }
+    if args.json:
+        print_json(facts)
+        return 0
+    rows = [["source", facts["source"]], ["family", cfg.family], ["parameters", f"{facts['parameters']:,}"],
+            [f"weights ({args.dtype})", f"{facts['weight_bytes'] / 2**20:.1f} MiB"],
+            ["KV cache per token", f"{facts['kv_bytes_per_token']:,} bytes"],
+            ["layers / hidden / heads / KV heads / head dim",
+             f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"],
+            ["context", f"{cfg.max_position_embeddings:,}"],
+            ["sliding window", f"{cfg.sliding_window} ({cfg.layer_types.count('sliding')} layers)"
+             if cfg.sliding_window else "-"],
+            ["RoPE theta", f"{cfg.rope.theta:g}"], ["tied embeddings", str(cfg.tie_word_embeddings)],
+            ["chat template", str(facts["chat_template"])]]
+    print_table(cfg.name or lm.source.label, ["field", "value"], rows)
+    return 0

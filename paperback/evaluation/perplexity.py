@@ -1,0 +1,129 @@
+"""Perplexity, and KL divergence of a candidate model to a reference, on the same tokens.
+
+Windows: `non_overlapping` cuts the tokens into windows of `context` tokens
+and scores every prediction inside each window (the GPTQ / llama.cpp style
+without a warm-up half); `strided` slides a `context` window by `stride` and
+scores only the last `stride` predictions of each window, so every scored
+token sees at least context - stride tokens of history (HF's recipe).
+Logits are produced a slice of positions at a time, so a 262k vocabulary at
+2048 positions never needs gigabytes at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from paperback.errors import DatasetError, PaperbackError
+from paperback.models import DecoderLM
+
+LOGIT_CHUNK = 256  # positions per logits slice
+
+
+@dataclass(frozen=True)
+class EvalWindow:
+    """Tokens [start, end) are fed; predictions of tokens [score_from, end) are scored."""
+
+    start: int
+    end: int
+    score_from: int
+
+
+def make_windows(num_tokens: int, context: int, stride: int | None = None,
+                 max_windows: int | None = None) -> list[EvalWindow]:
+    if context < 2:
+        raise PaperbackError("context must be at least 2 tokens")
+    if num_tokens < context:
+        raise DatasetError(f"the text has {num_tokens} tokens, fewer than one window of {context}")
+    windows: list[EvalWindow] = []
+    if stride is None:
+        for start in range(0, num_tokens - context + 1, context):
+            windows.append(EvalWindow(start, start + context, start + 1))
+    else:
+        if not 0 < stride <= context:
+            raise PaperbackError("stride must be in (0, context]")
+        windows.append(EvalWindow(0, context, 1))
+        end = context
+        while end + stride <= num_tokens:
+            windows.append(EvalWindow(end + stride - context, end + stride, end))
+            end += stride
+    return windows[:max_windows] if max_windows else windows
+
+
+@dataclass
+class EvalResult:
+    dataset: str
+    context: int
+    stride: int | None
+    windows: int
+    tokens_scored: int
+    perplexity: float
+    nll: float
+    # Against a reference model (None without one)
+    reference_perplexity: float | None = None
+    kl_divergence: float | None = None
+    top1_agreement: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_probs(model: DecoderLM, hidden: torch.Tensor) -> Iterator[torch.Tensor]:
+    """(T, C) hidden -> successive (chunk, V) fp32 log-probabilities."""
+    for lo in range(0, hidden.shape[0], LOGIT_CHUNK):
+        yield torch.log_softmax(model.logits(hidden[lo:lo + LOGIT_CHUNK]).float(), dim=-1)
+
+
+@torch.inference_mode()
+def evaluate(
+    model: DecoderLM,
+    tokens: list[int],
+    context: int,
+    stride: int | None = None,
+    reference: DecoderLM | None = None,
+    max_windows: int | None = None,
+    dataset: str = "",
+    progress: bool = True,
+) -> EvalResult:
+    """Perplexity of `model` (and KL(reference || model), top-1 agreement) over windows.
+
+    KL is the mean over scored positions of sum_v p_ref(v) (log p_ref(v) - log p(v)).
+    """
+    limit = model.config.max_position_embeddings
+    if context > limit:
+        raise PaperbackError(f"context {context} exceeds the model's {limit} positions")
+    windows = make_windows(len(tokens), context, stride, max_windows)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    nll_sum = ref_nll_sum = kl_sum = 0.0
+    agree = scored = 0
+    for w in tqdm(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
+                  disable=None if progress else True, leave=False):
+        window_ids = ids[w.start:w.end][None]
+        # Position i predicts token i + 1; score predictions of tokens [score_from, end).
+        first = w.score_from - w.start - 1
+        targets = ids[w.score_from:w.end]
+        hidden = model.hidden_states(window_ids)[0, first:-1]
+        ref_hidden = reference.hidden_states(window_ids)[0, first:-1] if reference is not None else None
+        offset = 0
+        ref_chunks = _log_probs(reference, ref_hidden) if reference is not None else None
+        for logp in _log_probs(model, hidden):
+            n = logp.shape[0]
+            tgt = targets[offset:offset + n]
+            nll_sum += -logp.gather(1, tgt[:, None]).sum().item()
+            if ref_chunks is not None:
+                ref_logp = next(ref_chunks)
+                ref_nll_sum += -ref_logp.gather(1, tgt[:, None]).sum().item()
+                kl_sum += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            offset += n
+        scored += len(targets)
+    result = EvalResult(dataset, context, stride, len(windows), scored, math.exp(nll_sum / scored), nll_sum / scored)
+    if reference is not None:
+        result.reference_perplexity = math.exp(ref_nll_sum / scored)
+        result.kl_divergence = kl_sum / scored
+        result.top1_agreement = agree / scored
+    return result

@@ -1,0 +1,163 @@
+"""Generation with the contiguous cache: a token loop and a streaming text layer.
+
+`generate_tokens` is the batch token loop (equal-length prompts), used by the
+bench; `generate` turns one prompt into text, streams it through a callback,
+and stops at EOS or a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from paperback.errors import ContextLengthError, PaperbackError
+from paperback.generation.kv_cache import ContiguousKVCache
+from paperback.generation.sampling import SamplingParams, make_generator, sample
+from paperback.loading import LoadedModel
+from paperback.models import DecoderLM
+
+
+def check_fits(model: DecoderLM, prompt_len: int, max_tokens: int) -> None:
+    context = model.config.max_position_embeddings
+    if prompt_len == 0:
+        raise PaperbackError("the prompt is empty")
+    if prompt_len >= context:
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens but the model's context is {context} tokens"
+        )
+    if prompt_len + max_tokens > context:
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
+            f"{context} tokens; lower max_tokens to {context - prompt_len} or less"
+        )
+
+
+@torch.inference_mode()
+def generate_tokens(model: DecoderLM, prompt_ids: torch.Tensor, params: SamplingParams) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, (B,) int64, up to params.max_tokens times.
+
+    prompt_ids: (B, T) int64, rows of equal length. The caller stops early by
+    closing the iterator.
+    """
+    batch, prompt_len = prompt_ids.shape
+    check_fits(model, prompt_len, params.max_tokens)
+    dtype = model.output_weight().dtype
+    cache = ContiguousKVCache(model.config, batch, prompt_len + params.max_tokens, dtype)
+    generator = make_generator(params)
+    logits = model(prompt_ids, 0, cache, last_only=True)[:, -1]
+    position = prompt_len
+    for step in range(params.max_tokens):
+        token = sample(logits.float(), params, generator)
+        yield token
+        if step + 1 == params.max_tokens:
+            break
+        logits = model(token[:, None], position, cache, last_only=True)[:, -1]
+        position += 1
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    prompt_tokens: int
+    time_to_first_token_s: float
+    total_s: float
+    stop_reason: str | int | None = None
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.token_ids) - 1
+        decode_time = self.total_s - self.time_to_first_token_s
+        return steps / decode_time if steps > 0 and decode_time > 0 else 0.0
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing list of token ids.
+
+    Decodes a short window of recent ids so that multi-token characters and
+    SentencePiece leading spaces come out right (the way vLLM does it).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+def generate(
+    lm: LoadedModel,
+    prompt: str | list[int],
+    params: SamplingParams = SamplingParams(),
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate a completion of one prompt, streaming text deltas to `on_text`.
+
+    With chat=True the prompt is wrapped as a user message in the model's chat
+    template. Text that might be the start of a stop string is held back until
+    it is known not to be one, so a stop string is never streamed.
+    """
+    tok = lm.tokenizer
+    if isinstance(prompt, str):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        # A chat template already writes BOS; adding it again would double it.
+        prompt_ids = tok.encode(text, add_special_tokens=not chat)
+    else:
+        prompt_ids = list(prompt)
+    stop_ids = set() if params.ignore_eos else set(tok.end_of_turn_ids if chat else tok.eos_token_ids)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    out_ids: list[int] = []
+    text, emitted = "", 0
+    finish, stop_reason = "length", None
+    start = time.perf_counter()
+    first_token_s = 0.0
+    tokens = generate_tokens(lm.model, torch.tensor([prompt_ids]), params)
+    for token in tokens:
+        token_id = int(token[0])
+        if not out_ids:
+            first_token_s = time.perf_counter() - start
+        if token_id in stop_ids:
+            finish, stop_reason = "stop", token_id
+            break
+        out_ids.append(token_id)
+        text += detok.push(token_id)
+        hit = _find_stop(text, params.stop, emitted - holdback)
+        if hit is not None:
+            text, stop_reason = text[:hit[0]], hit[1]
+            finish = "stop"
+            break
+        safe_end = max(emitted, len(text) - holdback)
+        if on_text and safe_end > emitted:
+            on_text(text[emitted:safe_end])
+        emitted = max(emitted, safe_end)
+    tokens.close()
+    if on_text and len(text) > emitted:
+        on_text(text[emitted:])
+    total = time.perf_counter() - start
+    return GenerationResult(text, out_ids, finish, len(prompt_ids), first_token_s, total, stop_reason)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
+    """Earliest (index, stop string) in text at or after search_from."""
+    best = None
+    for s in stops:
+        idx = text.find(s, max(0, search_from))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    return best

@@ -1,0 +1,57 @@
+"""Bytes, counted in one place.
+
+The planner, the KV cache allocator and the bench's roofline all call these
+functions, so predicted and measured numbers can be compared line by line.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paperback.models.config import ModelConfig
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys plus values one token adds to a dense cache, summed over layers."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes_read_per_step(config: ModelConfig, dtype: torch.dtype, context: int) -> int:
+    """Cache bytes one decode step reads for one sequence at `context` tokens.
+
+    Sliding-window layers read at most their window.
+    """
+    per_layer_token = 2 * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
+    total = 0
+    for layer in range(config.num_layers):
+        window = config.window_of(layer)
+        total += per_layer_token * (min(context, window) if window else context)
+    return total
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer, each counted once (tied weights once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def weight_bytes_read_per_step(model) -> int:
+    """Weight bytes a decode step reads: every matrix once, but one embedding row.
+
+    With tied embeddings the output head reads the whole matrix anyway.
+    """
+    total = module_bytes(model)
+    embed = model.model.embed_tokens.weight
+    if model.lm_head is not None:
+        total -= embed.numel() * embed.element_size()  # only a row per token is gathered
+    return total
