@@ -1,0 +1,68 @@
+import json
+
+import pytest
+import torch
+
+from helpers import max_rel_error, tiny_llama_hf
+from paperback.loading import load_model
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _tiny(model_type: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if model_type == "llama3-untied":
+        return tiny_llama_hf(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 16})
+    if model_type == "llama-tied":
+        return tiny_llama_hf(tie_word_embeddings=True)
+    if model_type == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=None)).eval()
+    if model_type == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL)).eval()
+    if model_type == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=32)).eval()
+    if model_type == "gemma3":
+        cfg = tf.Gemma3TextConfig(**SMALL, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        model = tf.Gemma3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
+        return model
+    raise ValueError(model_type)
+
+
+@pytest.mark.parametrize("model_type", ["llama3-untied", "llama-tied", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_safetensors_directory_matches_transformers(tmp_path, model_type):
+    hf = _tiny(model_type)
+    if model_type == "qwen2":  # biases are zero-initialised; make them count
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path, max_shard_size="60KB")  # several shards plus an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    ids = torch.randint(0, 256, (2, 21))  # longer than the Gemma window of 8
+    with torch.no_grad():
+        assert max_rel_error(lm.model(ids), hf(ids).logits) < 1e-5
+
+
+def test_directory_tokenizer_and_chat_template(tmp_path, smollm2):
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(**{**SMALL, "vocab_size": smollm2.config.vocab_size})
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    smollm2.tokenizer.hf.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    lm = load_model(str(tmp_path))
+    text = "Hello there, paperback."
+    assert lm.tokenizer.encode(text) == smollm2.tokenizer.encode(text)
+    assert lm.tokenizer.chat_template == smollm2.tokenizer.chat_template
+    assert {0, 2} <= lm.tokenizer.eos_token_ids
