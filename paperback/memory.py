@@ -34,10 +34,13 @@ def kv_bytes_read_per_step(config: ModelConfig, dtype: torch.dtype, context: int
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer, each counted once (tied weights once)."""
+    """Bytes of every parameter, each counted once (tied weights once).
+
+    Derived buffers (RoPE tables) are not weights and are left out.
+    """
     seen: set[int] = set()
     total = 0
-    for tensor in list(module.parameters()) + list(module.buffers()):
+    for tensor in module.parameters():
         if tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())

@@ -88,18 +88,22 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "fp32", with_
     """Load a bundled model name, a .gguf file or a Hugging Face directory."""
     dtype = parse_dtype(dtype)
     source = resolve_model(spec)
+    # Weights first: a damaged tensor is the likelier fault and the costlier one to find late.
     if source.kind == "gguf":
         gguf_file = GGUFModelFile(source.path)
         config = gguf_file.config()
-        tensors, total = gguf_file.tensors(config), len(gguf_file.reader.tensors)
-        eot = gguf_file.metadata("tokenizer.ggml.eot_token_id")
-        tokenizer = tokenizer_from_gguf(source.path, (int(eot),) if eot is not None else ()) if with_tokenizer else None
+        model = assemble_model(config, gguf_file.tensors(config), dtype, source.label, len(gguf_file.reader.tensors))
+        tokenizer = None
+        if with_tokenizer:
+            if gguf_file.metadata("tokenizer.ggml.model") is None:
+                raise ModelFileError(f"{source.path} carries no tokenizer (no tokenizer.ggml.* metadata)")
+            eot = gguf_file.metadata("tokenizer.ggml.eot_token_id")
+            tokenizer = tokenizer_from_gguf(source.path, (int(eot),) if eot is not None else ())
     else:
         hf_dir = HFModelDir(source.path)
         config = hf_dir.config()
-        tensors, total = hf_dir.tensors(config), None
+        model = assemble_model(config, hf_dir.tensors(config), dtype, source.label)
         tokenizer = tokenizer_from_dir(source.path, _generation_eos(source.path)) if with_tokenizer else None
-    model = assemble_model(config, tensors, dtype, source.label, total)
     return LoadedModel(model, tokenizer, config, source, dtype)
 
 

@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from paperback.bench.engines import BenchConfig
+from paperback.bench.report import bench_rows, run_bench
+from paperback.bench.roofline import DecodeRoofline, decode_roofline, measure_read_bandwidth
+from paperback.errors import PaperbackError
+from paperback.memory import kv_bytes_per_token, kv_bytes_read_per_step, weight_bytes_read_per_step
+
+
+def test_roofline_arithmetic():
+    roof = DecodeRoofline(batch=8, context=1000, weight_bytes=1_000_000, kv_bytes_per_sequence=50_000,
+                          bandwidth_bytes_per_s=1e9)
+    assert roof.bytes_per_step == 1_400_000
+    assert roof.max_tokens_per_s == pytest.approx(8 * 1e9 / 1_400_000)
+
+
+def test_bytes_per_token_of_the_bundled_models(smollm2, gemma3):
+    import torch
+
+    # SmolLM2: 2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes
+    assert kv_bytes_per_token(smollm2.config, torch.float32) == 2 * 30 * 3 * 64 * 4
+    # Gemma 3: sliding layers stop growing at the 512-token window
+    per_layer = 2 * 1 * 256 * 4
+    assert kv_bytes_read_per_step(gemma3.config, torch.float32, 4096) == per_layer * (15 * 512 + 3 * 4096)
+    # tied head: the whole embedding matrix is read each step
+    params = sum(p.numel() for p in smollm2.model.parameters())
+    assert weight_bytes_read_per_step(smollm2.model) == params * 4
+    assert decode_roofline(smollm2.model, 1, 100, 1e10).max_tokens_per_s < 1e10 / (params * 4)
+
+
+def test_bandwidth_is_plausible():
+    assert 1e8 < measure_read_bandwidth(64 * 2**20, repeats=2) < 1e13
+
+
+def test_bench_config_validation():
+    with pytest.raises(PaperbackError):
+        BenchConfig(decode_tokens=1)
+    with pytest.raises(PaperbackError):
+        BenchConfig(batches=(0,))
+
+
+def test_bench_runs_in_a_worker_and_reports_every_metric():
+    cfg = BenchConfig(prompt_tokens=32, decode_tokens=4, batches=(1, 2), repeats=1)
+    report = run_bench(cfg, peers=())
+    json.dumps(report)
+    pb = report["engines"]["paperback"]
+    assert pb["prefill_tokens_per_s"] > 0 and pb["peak_rss_bytes"] > 100 * 2**20
+    assert set(pb["decode"]) == {"1", "2"}
+    assert all(v["decode_tokens_per_s"] > 0 and v["time_to_first_token_s"] > 0 for v in pb["decode"].values())
+    assert report["roofline"]["2"]["max_tokens_per_s"] > report["roofline"]["1"]["max_tokens_per_s"]
+    assert len(bench_rows(report)) == 6
+
+
+@pytest.mark.slow
+def test_bench_against_transformers():
+    cfg = BenchConfig(prompt_tokens=64, decode_tokens=4, batches=(1,), repeats=1)
+    report = run_bench(cfg)
+    rows = bench_rows(report)
+    assert set(report["engines"]) == {"paperback", "transformers"}
+    assert all(row[3].endswith("x") for row in rows)

@@ -1,0 +1,110 @@
+"""Bad input: one clear line on stderr, exit code 2, no traceback, nothing unpickled."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import tiny_llama_hf, write_llama_gguf
+from paperback.cli import main
+
+
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory):
+    return write_llama_gguf(tiny_llama_hf(), tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def run_cli(capsys, *argv) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("paperback: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_truncated_gguf(tmp_path, good_gguf, capsys):
+    bad = tmp_path / "truncated.gguf"
+    data = good_gguf.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    assert "truncated" in run_cli(capsys, "info", str(bad))
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"not a model at all" * 100, b"GGUF\x03\x00\x00\x00" + b"\xff" * 64])
+def test_corrupt_gguf(tmp_path, content, capsys):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(content)
+    assert "GGUF" in run_cli(capsys, "info", str(bad))
+
+
+def test_missing_file(capsys):
+    assert "not found" in run_cli(capsys, "info", "/nonexistent/model.gguf")
+
+
+def test_unknown_gguf_architecture(tmp_path, capsys):
+    path = write_llama_gguf(tiny_llama_hf(), tmp_path / "bert.gguf", arch="bert")
+    assert "architecture 'bert' is not supported" in run_cli(capsys, "info", str(path))
+
+
+def test_unknown_hf_model_type(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert "model_type 'gpt2' is not supported" in run_cli(capsys, "info", str(tmp_path))
+
+
+def test_wrong_tensor_shape(tmp_path, capsys):
+    path = write_llama_gguf(tiny_llama_hf(), tmp_path / "shape.gguf",
+                            shape_override={"blk.0.attn_v.weight": np.zeros((16, 64), np.float32)})
+    msg = run_cli(capsys, "info", str(path))
+    assert "model.layers.0.self_attn.v_proj.weight" in msg and "shape" in msg
+
+
+def test_missing_tensor(tmp_path, capsys):
+    path = write_llama_gguf(tiny_llama_hf(), tmp_path / "missing.gguf", drop=("blk.1.ffn_up.weight",))
+    assert "missing tensors: model.layers.1.mlp.up_proj.weight" in run_cli(capsys, "info", str(path))
+
+
+def test_nan_weights(tmp_path, capsys):
+    nan = np.full((32, 64), np.nan, np.float32)
+    path = write_llama_gguf(tiny_llama_hf(), tmp_path / "nan.gguf", shape_override={"blk.0.attn_v.weight": nan})
+    assert "NaN" in run_cli(capsys, "info", str(path))
+
+
+def test_truncated_safetensors(tmp_path, capsys):
+    tiny_llama_hf().save_pretrained(tmp_path)
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert "safetensors" in run_cli(capsys, "info", str(tmp_path))
+
+
+def test_pickle_weights_are_refused(tmp_path, capsys):
+    tiny_llama_hf().config.to_json_file(tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    assert "pickle" in run_cli(capsys, "info", str(tmp_path))
+
+
+def test_unknown_dataset_fails_before_loading(capsys):
+    assert "unknown data set 'nope'" in run_cli(capsys, "eval", "/nonexistent.gguf", "--data", "nope")
+
+
+def test_prompt_longer_than_context(capsys):
+    msg = run_cli(capsys, "generate", "smollm2", "word " * 9000, "--raw")
+    assert "context is 8192 tokens" in msg
+
+
+def test_max_tokens_past_context(capsys):
+    assert "lower max_tokens" in run_cli(capsys, "generate", "smollm2", "hi", "--max-tokens", "9000")
+
+
+def test_bad_sampling_values(capsys):
+    assert "top_p" in run_cli(capsys, "generate", "smollm2", "hi", "--top-p", "0")
+
+
+def test_subprocess_has_no_traceback(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"garbage")
+    proc = subprocess.run([sys.executable, "-m", "paperback", "info", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("paperback: error:") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
