@@ -38,10 +38,11 @@ def run(args: argparse.Namespace) -> int:
     ref = load_model(args.reference, args.reference_dtype, with_tokenizer=False) if args.reference else None
     results = []
     for name, text in texts.items():
-        tokens = lm.tokenizer.encode(text)
+        tokens = lm.tokenizer.encode(text, add_special_tokens=False)
+        bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
         for context in args.context:
             r = evaluate(lm.model, tokens, context, args.stride, ref.model if ref else None,
-                         args.max_windows, dataset=name, progress=not args.json)
+                         args.max_windows, dataset=name, progress=not args.json, bos_token_id=bos)
             results.append(r)
     meta = {"model": lm.source.label, "dtype": args.dtype,
             "reference": args.reference and f"{args.reference} ({args.reference_dtype})"}

@@ -5,6 +5,8 @@ and scores every prediction inside each window (the GPTQ / llama.cpp style
 without a warm-up half); `strided` slides a `context` window by `stride` and
 scores only the last `stride` predictions of each window, so every scored
 token sees at least context - stride tokens of history (HF's recipe).
+For models that expect a BOS token, every window starts with one (it replaces
+the window's first token, which is never scored), as llama-perplexity does.
 Logits are produced a slice of positions at a time, so a 262k vocabulary at
 2048 positions never needs gigabytes at once.
 """
@@ -88,6 +90,7 @@ def evaluate(
     max_windows: int | None = None,
     dataset: str = "",
     progress: bool = True,
+    bos_token_id: int | None = None,
 ) -> EvalResult:
     """Perplexity of `model` (and KL(reference || model), top-1 agreement) over windows.
 
@@ -102,7 +105,9 @@ def evaluate(
     agree = scored = 0
     for w in tqdm(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
                   disable=None if progress else True, leave=False):
-        window_ids = ids[w.start:w.end][None]
+        window_ids = ids[w.start:w.end][None].clone()
+        if bos_token_id is not None:
+            window_ids[0, 0] = bos_token_id
         # Position i predicts token i + 1; score predictions of tokens [score_from, end).
         first = w.score_from - w.start - 1
         targets = ids[w.score_from:w.end]

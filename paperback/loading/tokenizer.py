@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 from paperback.errors import ModelFileError, PaperbackError
@@ -33,6 +34,8 @@ class Tokenizer:
         self.end_of_turn_ids = frozenset(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab) | self.eos_token_ids
         self.bos_token_id = hf_tokenizer.bos_token_id
         self.vocab_size = len(hf_tokenizer)
+        probe = hf_tokenizer.encode("a", add_special_tokens=True)
+        self.adds_bos = self.bos_token_id is not None and bool(probe) and probe[0] == self.bos_token_id
 
     @property
     def chat_template(self) -> str | None:
@@ -56,21 +59,29 @@ def _file_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def tokenizer_from_gguf(path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+def tokenizer_from_gguf(path: Path, eos_ids: tuple[int, ...] = (), use_cache: bool = True) -> Tokenizer:
     from transformers import AutoTokenizer
 
     cached = cache_dir() / "tokenizers" / _file_key(path)
     try:
-        if (cached / "tokenizer_config.json").exists():
+        if use_cache and (cached / "tokenizer_config.json").exists():
             return Tokenizer(AutoTokenizer.from_pretrained(cached), eos_ids)
         hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelFileError(f"{path}: could not build a tokenizer from its metadata: {exc}") from None
-    try:
-        hf.save_pretrained(cached)
-    except OSError:
-        pass  # a read-only cache only costs time
+    if use_cache:
+        _save_atomically(hf, cached)
     return Tokenizer(hf, eos_ids)
+
+
+def _save_atomically(hf_tokenizer, target: Path) -> None:
+    """Write to a temporary folder, then rename: a crash never leaves half a tokenizer."""
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        hf_tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a read-only or racing cache only costs time
 
 
 def tokenizer_from_dir(path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -70,3 +70,15 @@ def test_datasets():
     assert "assert" in load_text("pydoc")
     with pytest.raises(DatasetError, match="unknown data set"):
         load_text("imagenet")
+
+
+def test_bos_starts_every_window(smollm2, wikitext_ids):
+    tokens = wikitext_ids[:256]
+    r = evaluate(smollm2.model, tokens, 128, progress=False, bos_token_id=1)
+    nll = 0.0
+    with torch.no_grad():
+        for start in (0, 128):
+            ids = torch.tensor([[1] + tokens[start + 1:start + 128]])
+            logp = smollm2.model(ids)[0, :-1].log_softmax(-1)
+            nll -= logp.gather(1, ids[0, 1:, None]).sum().item()
+    assert r.perplexity == pytest.approx(math.exp(nll / 254), rel=1e-6)
