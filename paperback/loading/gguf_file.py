@@ -141,7 +141,9 @@ class GGUFModelFile:
                     values = dequantize(np.asarray(t.data), t.tensor_type)
                 else:
                     values = dequantize(t.data, t.tensor_type)
-                values = np.array(values, dtype=np.float32).reshape(shape)  # a writable copy
+                values = np.asarray(values, dtype=np.float32).reshape(shape)
+                if not values.flags.writeable:  # a view of the read-only memory map
+                    values = values.copy()
             except NotImplementedError:
                 raise UnsupportedModelError(
                     f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"

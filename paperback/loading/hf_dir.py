@@ -41,19 +41,17 @@ def _require(cfg: dict, key: str, path: Path):
 
 
 def _rope_from_hf(cfg: dict, path: Path, layer_kind: str | None = None) -> RopeConfig:
-    """RoPE settings from either transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    """RoPE settings from transformers 5 (`rope_parameters`, per layer type for Gemma 3)
+    or transformers 4 (`rope_theta`, `rope_scaling`, Gemma 3's `rope_local_base_freq`)."""
     params = cfg.get("rope_parameters") or {}
-    if layer_kind and layer_kind in params:
+    if layer_kind in params:
         params = params[layer_kind]
-    scaling = dict(cfg.get("rope_scaling") or {})
-    if layer_kind is None or layer_kind == "full_attention":
-        scaling = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
+    elif layer_kind == "sliding_attention":  # transformers 4 Gemma 3: local layers are never scaled
+        return RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
     else:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        params = {**(cfg.get("rope_scaling") or {}), **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if layer_kind == "sliding_attention" and "rope_theta" not in params:
-        theta = cfg.get("rope_local_base_freq", 10000.0)
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=float(theta))
     if kind not in ("linear", "llama3"):
@@ -61,10 +59,10 @@ def _rope_from_hf(cfg: dict, path: Path, layer_kind: str | None = None) -> RopeC
     return RopeConfig(
         theta=float(theta),
         scaling_type=kind,
-        factor=float(scaling.get("factor", 1.0)),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
 
 
