@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from paperback.bench.engines import BenchConfig
 from paperback.bench.roofline import DecodeRoofline, measure_read_bandwidth
@@ -25,10 +26,16 @@ def run_in_worker(engine: str, cfg: BenchConfig) -> dict:
     raise PaperbackError(f"the {engine} bench worker failed: {tail}")
 
 
-def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",)) -> dict:
-    results = {"paperback": run_in_worker("paperback", cfg)}
-    for peer in peers:
-        results[peer] = run_in_worker(peer, cfg)
+def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",),
+              on_step: Callable[[str], None] | None = None) -> dict:
+    """Run paperback and each peer in turn; `on_step` hears what is starting."""
+    results = {}
+    for engine in ("paperback", *peers):
+        if on_step:
+            on_step(f"running the {engine} worker")
+        results[engine] = run_in_worker(engine, cfg)
+    if on_step:
+        on_step("measuring memory bandwidth")
     bandwidth = measure_read_bandwidth()
     facts = results["paperback"]["model"]
     context = cfg.prompt_tokens + cfg.decode_tokens // 2

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
-from paperback.cli.output import note, print_json, print_table
+from paperback.cli.output import err_console, note, print_json, print_table
 
 
 def register(sub) -> None:
@@ -34,10 +34,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats)
     peers = () if args.peer == "none" else (args.peer,)
-    if not args.json:
-        note(f"benchmarking {args.model} ({args.dtype}) against {', '.join(peers) or 'nothing'}; "
-             "each engine loads in its own process...")
-    report = run_bench(cfg, peers)
+    if args.json:
+        report = run_bench(cfg, peers)
+    else:
+        with err_console.status(f"benchmarking {args.model} ({args.dtype})") as status:
+            report = run_bench(cfg, peers, on_step=lambda step: status.update(f"{args.model}: {step}..."))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2))
