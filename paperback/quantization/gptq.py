@@ -1,0 +1,111 @@
+"""GPTQ (Frantar et al. 2022): quantize columns one at a time, pushing each
+column's rounding error onto the columns not yet quantized, weighted by the
+inverse Hessian of the layer's reconstruction loss.
+
+H = 2 X^T X over the layer's calibration inputs X (tokens, in_features).
+Dampening adds `damp * mean(diag H)` to the diagonal; the inverse comes from
+Cholesky factors; updates are applied lazily in blocks of `block_size`
+columns. With `act_order` columns are visited by decreasing diag(H), and
+group scales are computed up front from the unmodified weight ("static
+groups"), so groups keep their natural order and g_idx stays i // group_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paperback.errors import PaperbackError
+from paperback.quantization.rtn import QuantizedWeight, check_weight, group_params, quantize_codes
+from paperback.quantization.scheme import QuantScheme
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+
+    def __post_init__(self):
+        if not 0 < self.damp < 1:
+            raise PaperbackError("GPTQ dampening must be in (0, 1)")
+        if self.block_size < 1:
+            raise PaperbackError("GPTQ block size must be positive")
+
+
+class HessianAccumulator:
+    """Running H = 2/n * sum x x^T over calibration rows (the mean keeps the scale fixed)."""
+
+    def __init__(self, in_features: int):
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.rows = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        """x: (..., in_features) inputs of the layer."""
+        x = x.reshape(-1, x.shape[-1]).double()
+        n = x.shape[0]
+        self.H *= self.rows / (self.rows + n)
+        self.rows += n
+        self.H += (2.0 / self.rows) * (x.T @ x)
+
+
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
+                  config: GPTQConfig = GPTQConfig()) -> QuantizedWeight:
+    """Quantize weight (out, in) given the Hessian H (in, in) of its inputs."""
+    check_weight(weight)
+    out_features, in_features = weight.shape
+    if H.shape != (in_features, in_features):
+        raise PaperbackError(f"Hessian shape {tuple(H.shape)} does not match in_features {in_features}")
+    W = weight.double().clone()
+    H = H.double().clone()
+    dead = torch.diag(H) == 0  # inputs never active: their weights cannot matter
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    # Group parameters: static (from the unmodified weight, natural order) or on the fly.
+    bounds = scheme.group_bounds(in_features)
+    group_of = torch.empty(in_features, dtype=torch.long)
+    for g, (lo, hi) in enumerate(bounds):
+        group_of[lo:hi] = g
+    scales = torch.empty(out_features, len(bounds), dtype=torch.float32)
+    zeros = torch.empty_like(scales)
+    static = config.act_order or scheme.group_size is None
+    if static:
+        for g, (lo, hi) in enumerate(bounds):
+            scales[:, g], zeros[:, g] = group_params(W[:, lo:hi], scheme)
+
+    perm = torch.argsort(torch.diag(H), descending=True) if config.act_order else torch.arange(in_features)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += config.damp * torch.mean(torch.diag(H)) * torch.eye(in_features, dtype=H.dtype)
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise PaperbackError("GPTQ: the Hessian is not positive definite; raise damp or add calibration data") from None
+
+    Q = torch.zeros_like(W)
+    for i1 in range(0, in_features, config.block_size):
+        i2 = min(i1 + config.block_size, in_features)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])
+            g = int(group_of[col])
+            if not static and col == bounds[g][0]:
+                # First column of a group: its parameters come from the already-updated weights.
+                lo, hi = bounds[g]
+                current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, : hi - lo]
+                scales[:, g], zeros[:, g] = group_params(current, scheme)
+            w = W1[:, i]
+            q = quantize_codes(w[:, None], scales[:, g].double(), zeros[:, g].double(), scheme.max_code)[:, 0]
+            Q[:, i1 + i] = q
+            dq = (q - zeros[:, g].double()) * scales[:, g].double()
+            err = (w - dq) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    codes = torch.empty_like(Q)
+    codes[:, perm] = Q
+    return QuantizedWeight(codes.to(torch.uint8), scales, zeros, QuantScheme(**scheme.to_dict()))

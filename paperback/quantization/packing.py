@@ -1,0 +1,55 @@
+"""Dense bit packing of integer codes along the input dimension.
+
+Each row of codes (out, in) becomes ceil(in * bits / 8) bytes, LSB first:
+code j of a row sits at bit offset bits * j of that row's byte string, so
+4-bit rows hold two codes per byte, 2-bit four, 8-bit one, and 3-bit codes
+run across byte boundaries (eight codes in three bytes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from paperback.errors import PaperbackError
+from paperback.quantization.scheme import SUPPORTED_BITS
+
+
+def packed_row_bytes(in_features: int, bits: int) -> int:
+    return math.ceil(in_features * bits / 8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes (out, in) integers in [0, 2^bits) -> uint8 (out, ceil(in * bits / 8))."""
+    if bits not in SUPPORTED_BITS:
+        raise PaperbackError(f"cannot pack {bits}-bit codes")
+    out_features, in_features = codes.shape
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 2 ** bits):
+        raise PaperbackError(f"codes out of range for {bits} bits")
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    # Spread every code into its bits, then regroup the bit stream into bytes.
+    shifts = torch.arange(bits, dtype=torch.int32)
+    bit_stream = ((codes.to(torch.int32)[..., None] >> shifts) & 1).reshape(out_features, -1)
+    pad = packed_row_bytes(in_features, bits) * 8 - bit_stream.shape[1]
+    bit_stream = torch.nn.functional.pad(bit_stream, (0, pad))
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    return (bit_stream.reshape(out_features, -1, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Inverse of pack_codes: uint8 (out, nbytes) -> uint8 codes (out, in_features)."""
+    if bits not in SUPPORTED_BITS:
+        raise PaperbackError(f"cannot unpack {bits}-bit codes")
+    if packed.shape[1] != packed_row_bytes(in_features, bits):
+        raise PaperbackError(
+            f"packed rows hold {packed.shape[1]} bytes, expected {packed_row_bytes(in_features, bits)} "
+            f"for {in_features} {bits}-bit codes"
+        )
+    if bits == 8:
+        return packed.to(torch.uint8)
+    out_features = packed.shape[0]
+    bit_stream = ((packed.to(torch.int32)[..., None] >> torch.arange(8, dtype=torch.int32)) & 1).reshape(out_features, -1)
+    bit_stream = bit_stream[:, : in_features * bits].reshape(out_features, in_features, bits)
+    return (bit_stream << torch.arange(bits, dtype=torch.int32)).sum(-1).to(torch.uint8)
