@@ -1,0 +1,97 @@
+"""Walk a model block by block and quantize its linear layers.
+
+Each block sees the outputs of the blocks before it *after* they were
+quantized, so GPTQ corrects the error that actually reaches it. Weights are
+replaced by their dequantized values (the in-memory reference a packed
+checkpoint must reproduce) and the quantized tensors are returned by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from paperback.errors import PaperbackError
+from paperback.models import DecoderLM
+from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
+from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
+from paperback.quantization.scheme import QuantScheme
+
+METHODS = ("rtn", "gptq")
+BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    method: str = "rtn"
+    scheme: QuantScheme = field(default_factory=QuantScheme)
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    targets: tuple[str, ...] = BLOCK_LINEARS
+    calibration_batch_size: int = 8
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise PaperbackError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        unknown = set(self.targets) - set(BLOCK_LINEARS)
+        if unknown:
+            raise PaperbackError(f"unknown target modules: {', '.join(sorted(unknown))}")
+
+
+def _targets(layer: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
+    return {name: layer.get_submodule(name) for name in config.targets}
+
+
+def _set_weight(module: nn.Linear, q: QuantizedWeight) -> None:
+    module.weight.data = q.dequantize(module.weight.dtype)
+
+
+@torch.inference_mode()
+def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor | None = None,
+                   progress: bool = True) -> dict[str, QuantizedWeight]:
+    """Quantize model's block linears in place (fake-quant); returns {param name: QuantizedWeight}.
+
+    calibration: (N, L) token ids, required for GPTQ.
+    """
+    layers = model.model.layers
+    results: dict[str, QuantizedWeight] = {}
+    bar = tqdm(total=len(layers), desc=f"{config.method} {config.scheme.label}", unit="block",
+               disable=None if progress else True, leave=False)
+    if config.method == "rtn":
+        for idx, layer in enumerate(layers):
+            for name, module in _targets(layer, config).items():
+                q = quantize_rtn(module.weight, config.scheme)
+                _set_weight(module, q)
+                results[f"model.layers.{idx}.{name}.weight"] = q
+            bar.update()
+        bar.close()
+        return results
+    if calibration is None:
+        raise PaperbackError("GPTQ needs calibration data")
+    batches = list(calibration.split(config.calibration_batch_size))
+    dtype = model.output_weight().dtype
+    positions = torch.arange(calibration.shape[1])
+    hidden = [model.embed(b) for b in batches]
+    for idx, layer in enumerate(layers):
+        cos, sin = model.rotary_for(idx)(positions, dtype)
+        targets = _targets(layer, config)
+        accumulators = {name: HessianAccumulator(m.in_features) for name, m in targets.items()}
+        hooks = [m.register_forward_pre_hook(lambda _m, args, acc=accumulators[name]: acc.add_batch(args[0]))
+                 for name, m in targets.items()]
+        try:
+            for x in hidden:
+                layer(x, cos, sin, 0, None)
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, module in targets.items():
+            q = gptq_quantize(module.weight, accumulators[name].H, config.scheme, config.gptq)
+            _set_weight(module, q)
+            results[f"model.layers.{idx}.{name}.weight"] = q
+        hidden = [layer(x, cos, sin, 0, None) for x in hidden]  # inputs of the next block, post-quantization
+        bar.update()
+    bar.close()
+    return results
