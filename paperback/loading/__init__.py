@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 
 from paperback.errors import ModelFileError, PaperbackError
 from paperback.loading.gguf_file import GGUFModelFile
-from paperback.loading.hf_dir import HFModelDir
+from paperback.loading.hf_dir import HFModelDir, read_safetensors
 from paperback.loading.sources import ModelSource, resolve_model
 from paperback.loading.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 from paperback.models import DecoderLM, ModelConfig, build_model
@@ -39,11 +40,20 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str, total: int | None = None) -> DecoderLM:
-    """Build the model on the meta device and assign checked tensors into it."""
+def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str, total: int | None = None,
+                   prepare: Callable[[DecoderLM], DecoderLM] | None = None) -> DecoderLM:
+    """Build the model on the meta device and assign checked tensors into it.
+
+    `prepare` may swap modules (e.g. for packed quantized layers) before the
+    tensors are checked against the model's own names and shapes. Floating
+    tensors of plain modules take `dtype`; packed codes and scales keep theirs.
+    """
     with torch.device("meta"):
         model = build_model(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if prepare is not None:
+        model = prepare(model)
+    meta_state = model.state_dict()
+    expected = {k: v.shape for k, v in meta_state.items()}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {label}", unit="tensor",
                              leave=False, disable=None):
@@ -57,9 +67,10 @@ def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str,
             raise ModelFileError(
                 f"{label}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
             )
-        if not torch.isfinite(tensor).all():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ModelFileError(f"{label}: tensor '{name}' holds NaN or infinite values")
-        state[name] = tensor.to(dtype)
+        target = dtype if meta_state[name].dtype == torch.float32 else meta_state[name].dtype
+        state[name] = tensor.to(target)
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -99,6 +110,15 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "fp32", with_
                 raise ModelFileError(f"{source.path} carries no tokenizer (no tokenizer.ggml.* metadata)")
             eot = gguf_file.metadata("tokenizer.ggml.eot_token_id")
             tokenizer = tokenizer_from_gguf(source.path, (int(eot),) if eot is not None else ())
+    elif source.kind == "paperback":
+        from paperback.quantization.checkpoint import (
+            WEIGHTS_FILE, config_from_recipe, prepare_quantized_model, read_recipe)
+
+        recipe = read_recipe(source.path)
+        config = config_from_recipe(recipe, source.path)
+        model = assemble_model(config, read_safetensors([source.path / WEIGHTS_FILE]), dtype, source.label,
+                               prepare=lambda m: prepare_quantized_model(m, recipe))
+        tokenizer = tokenizer_from_dir(source.path) if with_tokenizer else None
     else:
         hf_dir = HFModelDir(source.path)
         config = hf_dir.config()

@@ -149,17 +149,23 @@ class HFModelDir:
         return config_from_hf(self.hf_config, self.path / "config.json")
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import SafetensorError, safe_open
+        for name, tensor in read_safetensors(self.shards):
+            yield _strip_language_prefix(name), tensor
 
-        for shard in self.shards:
-            try:
-                with safe_open(shard, framework="pt") as f:
-                    for key in f.keys():
-                        yield _strip_language_prefix(key), f.get_tensor(key)
-            except SafetensorError as exc:
-                raise ModelFileError(f"{shard} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
-            except (OSError, RuntimeError) as exc:
-                raise ModelFileError(f"{shard} could not be read: {exc}") from None
+
+def read_safetensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the given safetensors files; damaged files raise ModelFileError."""
+    from safetensors import SafetensorError, safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as exc:
+            raise ModelFileError(f"{shard} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
+        except (OSError, RuntimeError) as exc:
+            raise ModelFileError(f"{shard} could not be read: {exc}") from None
 
 
 def _strip_language_prefix(key: str) -> str:

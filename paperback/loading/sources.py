@@ -39,7 +39,7 @@ ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "gguf" or "hf"
+    kind: str  # "gguf", "hf" or "paperback" (a quantized checkpoint)
     path: Path
     label: str
 
@@ -79,6 +79,8 @@ def resolve_model(spec: str | None) -> ModelSource:
         return ModelSource("gguf", bundled_model_path(name), name)
     path = Path(spec).expanduser()
     if path.is_dir():
+        if (path / "recipe.json").exists():
+            return ModelSource("paperback", path, path.name)
         if (path / "config.json").exists():
             return ModelSource("hf", path, path.name)
         ggufs = sorted(path.glob("*.gguf"))

@@ -30,10 +30,11 @@ class QuantizedWeight:
         return tuple(self.codes.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out = torch.empty(self.codes.shape, dtype=torch.float32)
-        for g, (lo, hi) in enumerate(self.scheme.group_bounds(self.codes.shape[1])):
-            out[:, lo:hi] = (self.codes[:, lo:hi].float() - self.zeros[:, g:g + 1]) * self.scales[:, g:g + 1]
-        return out.to(dtype)
+        """(codes - zero) * scale per element, computed in fp32, returned as `dtype`."""
+        sizes = torch.tensor([hi - lo for lo, hi in self.scheme.group_bounds(self.codes.shape[1])])
+        zeros = self.zeros.repeat_interleave(sizes, dim=1)
+        scales = self.scales.repeat_interleave(sizes, dim=1)
+        return ((self.codes.float() - zeros) * scales).to(dtype)
 
 
 def group_params(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:

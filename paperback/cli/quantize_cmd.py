@@ -1,0 +1,75 @@
+"""`paperback quantize [MODEL] --method gptq --bits 4 --group-size 128 -o DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.output import note, print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quantize", help="quantize a model's weights (RTN or GPTQ) and save a checkpoint",
+                       description="Post-training weight quantization of every linear layer in the transformer "
+                                   "blocks. Writes safetensors plus recipe.json; every other command accepts "
+                                   "the output directory as MODEL.")
+    add_model_arg(p)
+    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="gptq")
+    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
+    p.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per output channel")
+    p.add_argument("--sym", action="store_true", help="symmetric (no zero points)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing Hessian diagonal")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
+    p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.errors import PaperbackError
+    from paperback.loading import load_model
+    from paperback.quantization import GPTQConfig, QuantScheme
+    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+    from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
+    from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+    if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
+        raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
+    scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
+    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order))
+    calib_cfg = CalibrationConfig(args.calib, args.calib_samples, args.calib_len, args.seed)
+    lm = load_model(args.model, "fp32")
+    calibration = calibration_batch(lm.tokenizer, calib_cfg) if args.method == "gptq" else None
+    start = time.perf_counter()
+    quantized = quantize_model(lm.model, config, calibration, progress=not args.json)
+    seconds = time.perf_counter() - start
+    swap_in_quantized(lm.model, quantized)
+    recipe = {
+        "source_model": str(lm.source.path),
+        "method": args.method,
+        "scheme": scheme.to_dict(),
+        "gptq": config.gptq.__dict__ if args.method == "gptq" else None,
+        "modules": list(config.targets),
+        "calibration": calib_cfg.to_dict() if args.method == "gptq" else None,
+        "quantize_seconds": seconds,
+        "layers": {name: {"scheme": q.scheme.to_dict(), "method": args.method} for name, q in quantized.items()},
+    }
+    save_checkpoint(lm.model, lm.tokenizer, recipe, args.output, overwrite=args.overwrite)
+    q_bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())
+    q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
+    summary = {"output": str(args.output), "method": args.method, "scheme": scheme.label,
+               "layers": len(quantized), "bits_per_weight": q_bits / q_weights, "seconds": seconds}
+    if args.json:
+        print_json(summary)
+    else:
+        print_table(f"quantized {lm.source.label}", ["field", "value"],
+                    [[k, f"{v:.3f}" if isinstance(v, float) else v] for k, v in summary.items()])
+        note(f"use it with: paperback eval {args.output}")
+    return 0

@@ -1,0 +1,122 @@
+"""paperback's quantized checkpoint: safetensors weights plus a recipe.
+
+A directory holds
+  model.safetensors  quantized linears as `<name>.qweight/.scales/.qzeros`,
+                     every other tensor in the dtype it was saved in
+  recipe.json        format version, model config, method, scheme, modules,
+                     calibration, seed, paperback version, per-layer settings
+  tokenizer files    so the directory is a complete model for every command
+It is written to a temporary sibling and renamed into place at the end, so an
+interrupted run never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from paperback import __version__
+from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
+from paperback.models import DecoderLM, ModelConfig, RopeConfig
+from paperback.quantization.qlinear import QuantLinear
+from paperback.quantization.scheme import QuantScheme
+
+RECIPE_FILE = "recipe.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def swap_in_quantized(model: DecoderLM, quantized: dict) -> DecoderLM:
+    """Replace nn.Linear modules named in `quantized` ({param name: QuantizedWeight}) by QuantLinear."""
+    for param_name, q in quantized.items():
+        module_name = param_name.removesuffix(".weight")
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        setattr(parent, child, QuantLinear.from_quantized(q, old.bias))
+    return model
+
+
+def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, overwrite: bool = False) -> Path:
+    """Write a model whose quantized layers are QuantLinear modules."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise PaperbackError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+    tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "paperback", "version": str(FORMAT_VERSION)})
+        if tokenizer is not None:
+            tokenizer.hf.save_pretrained(tmp)
+        full_recipe = {"format_version": FORMAT_VERSION, "paperback_version": __version__,
+                       "model_config": model.config.to_dict(), **recipe}
+        (tmp / RECIPE_FILE).write_text(json.dumps(full_recipe, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_recipe(path: Path) -> dict:
+    try:
+        recipe = json.loads((path / RECIPE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelFileError(f"{path / RECIPE_FILE} is unreadable: {exc}") from None
+    version = recipe.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedModelError(
+            f"{path} was written in checkpoint format {version!r} (paperback {recipe.get('paperback_version')}); "
+            f"this paperback ({__version__}) reads format {FORMAT_VERSION}"
+        )
+    return recipe
+
+
+def _rope(raw: dict | None) -> RopeConfig | None:
+    if raw is None:
+        return None
+    factors = raw.get("freq_factors")
+    return RopeConfig(**{**raw, "freq_factors": tuple(factors) if factors is not None else None})
+
+
+def config_from_recipe(recipe: dict, path: Path) -> ModelConfig:
+    """The ModelConfig saved in a recipe (JSON lists back to tuples)."""
+    raw = dict(recipe.get("model_config") or {})
+    try:
+        raw.update(rope=_rope(raw["rope"]), rope_local=_rope(raw.get("rope_local")),
+                   layer_types=tuple(raw["layer_types"]))
+        return ModelConfig(**raw)
+    except (KeyError, TypeError) as exc:
+        raise ModelFileError(f"{path / RECIPE_FILE}: malformed model_config ({exc})") from None
+
+
+def quantized_layers(recipe: dict) -> dict[str, QuantScheme]:
+    """{param name: scheme} of the layers stored packed."""
+    return {name: QuantScheme(**layer["scheme"]) for name, layer in recipe.get("layers", {}).items()}
+
+
+def prepare_quantized_model(model: DecoderLM, recipe: dict) -> DecoderLM:
+    """Swap meta-device Linear modules for empty QuantLinear shells before loading a checkpoint."""
+    for param_name, scheme in quantized_layers(recipe).items():
+        module_name = param_name.removesuffix(".weight")
+        parent_name, _, child = module_name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, child)
+        except AttributeError:
+            raise ModelFileError(f"recipe names layer '{module_name}', which the model does not have") from None
+        with torch.device("meta"):
+            setattr(parent, child, QuantLinear(old.in_features, old.out_features, scheme, old.bias is not None))
+    return model

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_llama_hf, write_llama_gguf
+from paperback.cli import main
+from paperback.errors import PaperbackError, UnsupportedModelError
+from paperback.loading import load_model
+from paperback.quantization import QuantScheme
+from paperback.quantization.checkpoint import RECIPE_FILE, save_checkpoint, swap_in_quantized
+from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+from paperback.quantization.qlinear import QuantLinear
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    return str(write_llama_gguf(tiny_llama_hf(num_hidden_layers=2, hidden_size=128, intermediate_size=200),
+                                tmp_path / "tiny.gguf"))
+
+
+def quantized_tiny(path, scheme):
+    lm = load_model(path, with_tokenizer=False)
+    results = quantize_model(lm.model, QuantizeConfig("rtn", scheme), progress=False)
+    return lm, results
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 64), QuantScheme(3, 48), QuantScheme(8, None, True)])
+def test_saved_checkpoint_reloads_bit_identically(tmp_path, tiny_gguf, scheme):
+    lm, results = quantized_tiny(tiny_gguf, scheme)
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        in_memory = lm.model(ids)
+    swap_in_quantized(lm.model, results)
+    save_checkpoint(lm.model, None, {"method": "rtn", "layers": {
+        n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}}, tmp_path / "out")
+    loaded = load_model(str(tmp_path / "out"), with_tokenizer=False)
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantLinear)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids), in_memory)
+
+
+def test_incompatible_recipe_version_is_refused(tmp_path, tiny_gguf):
+    lm, results = quantized_tiny(tiny_gguf, QuantScheme(4, 64))
+    swap_in_quantized(lm.model, results)
+    out = save_checkpoint(lm.model, None, {"layers": {n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}},
+                          tmp_path / "out")
+    recipe = json.loads((out / RECIPE_FILE).read_text())
+    (out / RECIPE_FILE).write_text(json.dumps({**recipe, "format_version": 99}))
+    with pytest.raises(UnsupportedModelError, match="format 99"):
+        load_model(str(out), with_tokenizer=False)
+
+
+def test_existing_output_is_not_overwritten_and_failures_leave_nothing(tmp_path, tiny_gguf):
+    lm, results = quantized_tiny(tiny_gguf, QuantScheme(4, 64))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(PaperbackError, match="--overwrite"):
+        save_checkpoint(lm.model, None, {}, out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+    class Exploding:
+        class hf:
+            @staticmethod
+            def save_pretrained(path):
+                raise OSError("disk full")
+
+    target = tmp_path / "new"
+    with pytest.raises(OSError):
+        save_checkpoint(lm.model, Exploding(), {}, target)
+    assert not target.exists() and not list(tmp_path.glob("new.partial*"))
+
+
+def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys):
+    out = tmp_path / "smol-w4"
+    assert main(["quantize", "smollm2", "--method", "rtn", "--bits", "4", "--group-size", "64", "-o", str(out),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 210 and 4.2 < summary["bits_per_weight"] < 4.4
+    recipe = json.loads((out / RECIPE_FILE).read_text())
+    assert recipe["method"] == "rtn" and recipe["scheme"]["group_size"] == 64 and recipe["paperback_version"]
+    assert main(["eval", str(out), "--context", "128", "--max-windows", "2", "--json",
+                 "--reference", "smollm2"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
+    assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json"]) == 0
