@@ -108,3 +108,15 @@ def test_subprocess_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("paperback: error:") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_quantize_bad_bits(tmp_path, capsys):
+    assert "unsupported bits 5" in run_cli(capsys, "quantize", "smollm2", "--bits", "5", "-o", str(tmp_path / "q"))
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantize_calibration_text_too_short(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here")
+    msg = run_cli(capsys, "quantize", "smollm2", "--method", "gptq", "--calib", str(short), "-o", str(tmp_path / "q"))
+    assert "too few for samples" in msg and not (tmp_path / "q").exists()
