@@ -23,6 +23,9 @@ from paperback.quantization.scheme import QuantScheme
 METHODS = ("rtn", "gptq")
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Linears that read the same input share one Hessian: accumulated once, not once per linear.
+INPUT_OF = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
+            "mlp.up_proj": "mlp.gate_proj"}
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,11 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
     for idx, layer in enumerate(layers):
         cos, sin = model.rotary_for(idx)(positions, dtype)
         targets = _targets(layer, config)
-        accumulators = {name: HessianAccumulator(m.in_features) for name, m in targets.items()}
-        hooks = [m.register_forward_pre_hook(lambda _m, args, acc=accumulators[name]: acc.add_batch(args[0]))
-                 for name, m in targets.items()]
+        # One accumulator per distinct input, hooked on the module that reads it.
+        readers = {INPUT_OF.get(name, name) for name in targets}
+        accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in readers}
+        hooks = [layer.get_submodule(name).register_forward_pre_hook(
+                     lambda _m, args, acc=acc: acc.add_batch(args[0])) for name, acc in accumulators.items()]
         try:
             for x in hidden:
                 layer(x, cos, sin, 0, None)
@@ -88,7 +93,7 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
             for h in hooks:
                 h.remove()
         for name, module in targets.items():
-            q = gptq_quantize(module.weight, accumulators[name].H, config.scheme, config.gptq)
+            q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H, config.scheme, config.gptq)
             _set_weight(module, q)
             results[f"model.layers.{idx}.{name}.weight"] = q
         hidden = [layer(x, cos, sin, 0, None) for x in hidden]  # inputs of the next block, post-quantization

@@ -18,7 +18,7 @@ def output_error(x, w, q):
 
 
 def hessian(x):
-    acc = HessianAccumulator(x.shape[1])
+    acc = HessianAccumulator(x.shape[1], x.dtype)
     for chunk in x.split(300):
         acc.add_batch(chunk)
     return acc.H
