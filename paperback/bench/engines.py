@@ -160,7 +160,7 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
 
 
 def _model_facts(lm, cfg: BenchConfig) -> dict:
-    from paperback.memory import kv_bytes_per_token, module_bytes, weight_bytes_read_per_step
+    from paperback.memory import kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, weight_bytes_read_per_step
 
     return {
         "name": lm.config.name,
@@ -169,4 +169,12 @@ def _model_facts(lm, cfg: BenchConfig) -> dict:
         "weight_bytes": module_bytes(lm.model),
         "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
         "kv_bytes_per_token": kv_bytes_per_token(lm.config, lm.dtype),
+        # cache bytes one decode step reads at the mean decode context (sliding windows capped)
+        "decode_context": decode_context(cfg),
+        "kv_bytes_read_per_step": kv_bytes_read_per_step(lm.config, lm.dtype, decode_context(cfg)),
     }
+
+
+def decode_context(cfg: BenchConfig) -> int:
+    """Mean context length over the timed decode steps."""
+    return cfg.prompt_tokens + cfg.decode_tokens // 2

@@ -38,12 +38,10 @@ def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",),
         on_step("measuring memory bandwidth")
     bandwidth = measure_read_bandwidth()
     facts = results["paperback"]["model"]
-    context = cfg.prompt_tokens + cfg.decode_tokens // 2
     rooflines = {}
     for batch in cfg.batches:
-        # Dense cache read at the mean decode context; sliding windows ignored (an upper bound on bytes).
-        roof = DecodeRoofline(batch, context, facts["weight_bytes_read_per_step"],
-                              facts["kv_bytes_per_token"] * context, bandwidth)
+        roof = DecodeRoofline(batch, facts["decode_context"], facts["weight_bytes_read_per_step"],
+                              facts["kv_bytes_read_per_step"], bandwidth)
         rooflines[str(batch)] = roof.to_dict()
     return {"config": cfg.to_dict(), "engines": results, "bandwidth_bytes_per_s": bandwidth,
             "roofline": rooflines}
