@@ -106,10 +106,10 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "fp32", with_
         model = assemble_model(config, gguf_file.tensors(config), dtype, source.label, len(gguf_file.reader.tensors))
         tokenizer = None
         if with_tokenizer:
-            if gguf_file.metadata("tokenizer.ggml.model") is None:
+            if not gguf_file.has_tokenizer:
                 raise ModelFileError(f"{source.path} carries no tokenizer (no tokenizer.ggml.* metadata)")
-            eot = gguf_file.metadata("tokenizer.ggml.eot_token_id")
-            tokenizer = tokenizer_from_gguf(source.path, (int(eot),) if eot is not None else ())
+            eot = gguf_file.eot_token_id
+            tokenizer = tokenizer_from_gguf(source.path, (eot,) if eot is not None else ())
     elif source.kind == "paperback":
         from paperback.quantization.checkpoint import (
             WEIGHTS_FILE, config_from_recipe, prepare_quantized_model, read_recipe)

@@ -51,6 +51,13 @@ class GGUFModelFile:
             )
         self.arch: GGUFArch = GGUF_ARCHS[self.arch_name]
         self.tensor_names = {t.name for t in self.reader.tensors}
+        # Read every metadata value needed up front, then drop the parsed fields:
+        # for a 262k-token vocabulary they hold about 600 MB of small arrays.
+        self._config = self._read_config()
+        self.has_tokenizer = "tokenizer.ggml.model" in self.reader.fields
+        eot = self._field("tokenizer.ggml.eot_token_id")
+        self.eot_token_id = int(eot) if eot is not None else None
+        self.reader.fields.clear()
 
     def _field(self, key: str, default=None, required: bool = False):
         field = self.reader.fields.get(key)
@@ -66,11 +73,10 @@ class GGUFModelFile:
     def _arch_field(self, key: str, default=None, required: bool = False):
         return self._field(f"{self.arch_name}.{key}", default, required)
 
-    def metadata(self, key: str, default=None):
-        """Any metadata value by its full key (e.g. `tokenizer.chat_template`)."""
-        return self._field(key, default)
-
     def config(self) -> ModelConfig:
+        return self._config
+
+    def _read_config(self) -> ModelConfig:
         hidden = int(self._arch_field("embedding_length", required=True))
         heads = int(self._arch_field("attention.head_count", required=True))
         kv_heads = int(self._arch_field("attention.head_count_kv", heads))
@@ -127,23 +133,13 @@ class GGUFModelFile:
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(paperback name, fp32 tensor) for every weight the model uses."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         for t in self.reader.tensors:
             name = gguf_to_model_name(t.name, self.arch)
             if name is None:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             try:
-                if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                                     GGMLQuantizationType.BF16):
-                    values = dequantize(np.asarray(t.data), t.tensor_type)
-                else:
-                    values = dequantize(t.data, t.tensor_type)
-                values = np.asarray(values, dtype=np.float32).reshape(shape)
-                if not values.flags.writeable:  # a view of the read-only memory map
-                    values = values.copy()
+                values = dequantize_rows(t, shape)
             except NotImplementedError:
                 raise UnsupportedModelError(
                     f"{self.path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be dequantized"
@@ -156,6 +152,30 @@ class GGUFModelFile:
             if self.arch.norm_offset and "norm.weight" in t.name:
                 values = values - np.float32(self.arch.norm_offset)
             yield name, torch.from_numpy(values)
+
+
+DEQUANT_CHUNK_BYTES = 32 * 2**20
+
+
+def dequantize_rows(t, shape: tuple[int, ...]) -> np.ndarray:
+    """fp32 values of a GGUF tensor, dequantized a slab of rows at a time.
+
+    gguf's dequantizers allocate several full-size temporaries; slabs keep the
+    peak memory of loading near the model's own size (Gemma 3's embedding alone
+    is 671 MB in fp32).
+    """
+    from gguf.quants import dequantize
+
+    data = np.asarray(t.data)
+    out = np.empty(shape, dtype=np.float32)
+    if data.ndim != 2 or len(shape) != 2 or data.shape[0] != shape[0]:
+        out[...] = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
+        return out
+    rows_per_chunk = max(1, DEQUANT_CHUNK_BYTES // (shape[1] * 4))
+    for lo in range(0, shape[0], rows_per_chunk):
+        hi = min(lo + rows_per_chunk, shape[0])
+        out[lo:hi] = dequantize(data[lo:hi], t.tensor_type)
+    return out
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
