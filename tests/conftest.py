@@ -1,13 +1,8 @@
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
+# Tests import their shared helpers (tiny checkpoints) as `helpers`.
 sys.path.insert(0, str(Path(__file__).parent))
-
-torch.set_num_threads(max(1, torch.get_num_threads()))
-
 
 @pytest.fixture(scope="session")
 def smollm2():
@@ -15,13 +10,11 @@ def smollm2():
 
     return load_model("smollm2")
 
-
 @pytest.fixture(scope="session")
 def gemma3():
     from paperback.loading import load_model
 
     return load_model("gemma3")
-
 
 @pytest.fixture(scope="session")
 def wikitext_ids(smollm2):

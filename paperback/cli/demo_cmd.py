@@ -26,14 +26,12 @@ def run(args: argparse.Namespace) -> int:
 
     parser = build_parser()
     steps = [
-        ("generate", ["generate", args.model, "Explain in two sentences why the sky is blue.",
-                      "--max-tokens", "64"]),
-        ("eval", ["eval", args.model, "--data", "wikitext2", "--context", "512",
-                  "--max-windows", str(args.eval_windows)]),
+        ["generate", args.model, "Explain in two sentences why the sky is blue.", "--max-tokens", "64"],
+        ["eval", args.model, "--data", "wikitext2", "--context", "512", "--max-windows", str(args.eval_windows)],
     ]
     if not args.skip_bench:
-        steps.append(("bench", ["bench", args.model, "--repeats", "2"]))
-    for title, argv in steps:
+        steps.append(["bench", args.model, "--repeats", "2"])
+    for argv in steps:
         console.rule(f"paperback {' '.join(argv[:2])}")
         sub_args = parser.parse_args(argv)
         code = sub_args.func(sub_args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         "source_model": str(lm.source.path),
         "method": args.method,
         "scheme": scheme.to_dict(),
-        "gptq": config.gptq.__dict__ if args.method == "gptq" else None,
+        "gptq": asdict(config.gptq) if args.method == "gptq" else None,
         "modules": list(config.targets),
         "calibration": calib_cfg.to_dict() if args.method == "gptq" else None,
         "quantize_seconds": seconds,
