@@ -22,7 +22,9 @@ def register(sub) -> None:
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per output channel")
     p.add_argument("--sym", action="store_true", help="symmetric (no zero points)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing Hessian diagonal")
+    # On by default: on SmolLM2 W4 g128 it cut KL to the reference from 0.44 to 0.32 (RTN: 0.39).
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on)")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
     p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
     p.add_argument("--calib-samples", type=int, default=128)
