@@ -30,14 +30,22 @@ WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 
 
+def _replace_linear(model: DecoderLM, param_name: str, make) -> None:
+    """Swap the nn.Linear owning `param_name` for make(old_linear)."""
+    module_name = param_name.removesuffix(".weight")
+    parent_name, _, child = module_name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+    except AttributeError:
+        raise ModelFileError(f"no layer '{module_name}' in this model") from None
+    setattr(parent, child, make(old))
+
+
 def swap_in_quantized(model: DecoderLM, quantized: dict) -> DecoderLM:
     """Replace nn.Linear modules named in `quantized` ({param name: QuantizedWeight}) by QuantLinear."""
     for param_name, q in quantized.items():
-        module_name = param_name.removesuffix(".weight")
-        parent_name, _, child = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        setattr(parent, child, QuantLinear.from_quantized(q, old.bias))
+        _replace_linear(model, param_name, lambda old, q=q: QuantLinear.from_quantized(q, old.bias))
     return model
 
 
@@ -110,13 +118,9 @@ def quantized_layers(recipe: dict) -> dict[str, QuantScheme]:
 def prepare_quantized_model(model: DecoderLM, recipe: dict) -> DecoderLM:
     """Swap meta-device Linear modules for empty QuantLinear shells before loading a checkpoint."""
     for param_name, scheme in quantized_layers(recipe).items():
-        module_name = param_name.removesuffix(".weight")
-        parent_name, _, child = module_name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-            old = getattr(parent, child)
-        except AttributeError:
-            raise ModelFileError(f"recipe names layer '{module_name}', which the model does not have") from None
-        with torch.device("meta"):
-            setattr(parent, child, QuantLinear(old.in_features, old.out_features, scheme, old.bias is not None))
+        def shell(old, scheme=scheme):
+            with torch.device("meta"):
+                return QuantLinear(old.in_features, old.out_features, scheme, old.bias is not None)
+
+        _replace_linear(model, param_name, shell)
     return model
