@@ -34,17 +34,22 @@ def kv_bytes_read_per_step(config: ModelConfig, dtype: torch.dtype, context: int
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every parameter, each counted once (tied weights once).
+    """Bytes of every weight, each counted once (tied weights once).
 
-    Derived buffers (RoPE tables) are not weights and are left out.
+    Weights are parameters plus the packed buffers of quantized layers (codes,
+    scales, zero points); derived buffers such as RoPE tables are left out.
     """
     seen: set[int] = set()
     total = 0
-    for tensor in module.parameters():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        total += tensor.numel() * tensor.element_size()
+    for sub in module.modules():
+        tensors = list(sub.parameters(recurse=False))
+        if hasattr(sub, "storage_bytes"):  # QuantLinear / QuantEmbedding
+            tensors += [t for t in (sub.qweight, sub.scales, sub.qzeros) if t is not None]
+        for tensor in tensors:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
     return total
 
 
@@ -54,7 +59,6 @@ def weight_bytes_read_per_step(model) -> int:
     With tied embeddings the output head reads the whole matrix anyway.
     """
     total = module_bytes(model)
-    embed = model.model.embed_tokens.weight
     if model.lm_head is not None:
-        total -= embed.numel() * embed.element_size()  # only a row per token is gathered
+        total -= module_bytes(model.model.embed_tokens)  # only a row per token is gathered
     return total

@@ -73,6 +73,8 @@ def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str =
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
         elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:  # llama.cpp writes no output.weight for tied models
+                continue
             gname = "output.weight"
         else:
             layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])

@@ -47,6 +47,6 @@ class DecodeRoofline:
 
 
 def decode_roofline(model, batch: int, context: int, bandwidth: float) -> DecodeRoofline:
-    dtype = model.output_weight().dtype
+    dtype = model.dtype
     return DecodeRoofline(batch, context, weight_bytes_read_per_step(model),
                           kv_bytes_read_per_step(model.config, dtype, context), bandwidth)

@@ -22,6 +22,10 @@ def register(sub) -> None:
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per output channel")
     p.add_argument("--sym", action="store_true", help="symmetric (no zero points)")
+    p.add_argument("--targets", default="blocks",
+                   help="comma-separated modules to quantize: 'blocks' (every linear in the transformer blocks, "
+                        "the default), single linears (q_proj, ..., down_proj), 'embed' and 'head'. On a model with "
+                        "tied embeddings, embed and head are one matrix: naming either quantizes it for both")
     # On by default: on SmolLM2 W4 g128 it cut KL to the reference from 0.44 to 0.32 (RTN: 0.39).
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on)")
@@ -41,12 +45,13 @@ def run(args: argparse.Namespace) -> int:
     from paperback.quantization import GPTQConfig, QuantScheme
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
     from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
-    from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+    from paperback.quantization.model_pass import QuantizeConfig, parse_targets, quantize_model
 
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
-    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order))
+    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order),
+                            parse_targets(args.targets))
     calib_cfg = CalibrationConfig(args.calib, args.calib_samples, args.calib_len, args.seed)
     lm = load_model(args.model, "fp32")
     calibration = calibration_batch(lm.tokenizer, calib_cfg) if args.method == "gptq" else None
@@ -62,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         "modules": list(config.targets),
         "calibration": calib_cfg.to_dict() if args.method == "gptq" else None,
         "quantize_seconds": seconds,
-        "layers": {name: {"scheme": q.scheme.to_dict(), "method": args.method} for name, q in quantized.items()},
+        "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
     }
     save_checkpoint(lm.model, lm.tokenizer, recipe, args.output, overwrite=args.overwrite)
     q_bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())

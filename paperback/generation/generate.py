@@ -44,7 +44,7 @@ def generate_tokens(model: DecoderLM, prompt_ids: torch.Tensor, params: Sampling
     """
     batch, prompt_len = prompt_ids.shape
     check_fits(model, prompt_len, params.max_tokens)
-    dtype = model.output_weight().dtype
+    dtype = model.dtype
     cache = ContiguousKVCache(model.config, batch, prompt_len + params.max_tokens, dtype)
     generator = make_generator(params)
     logits = model(prompt_ids, 0, cache, last_only=True)[:, -1]

@@ -98,7 +98,7 @@ class DecoderLM(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed_tokens(input_ids).to(self.dtype)
 
     def rotary_for(self, layer_idx: int) -> RotaryEmbedding:
         raise NotImplementedError
@@ -118,13 +118,27 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, start_pos, kv_cache)
         return self.model.norm(x)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Runtime dtype of activations (the final norm's, which is never quantized)."""
+        return self.model.norm.weight.dtype
+
+    def output_head(self) -> nn.Module:
+        """The module holding the (V, C) output matrix: lm_head, or the embedding when tied."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
     def output_weight(self) -> torch.Tensor:
-        """The (V, C) matrix of the output head (the embedding when tied)."""
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """The (V, C) matrix of an unquantized output head."""
+        return self.output_head().weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., C) -> (..., V) in the model dtype."""
-        return torch.nn.functional.linear(hidden, self.output_weight())
+        head = self.output_head()
+        if hasattr(head, "as_linear"):  # a quantized embedding used as the head
+            return head.as_linear(hidden)
+        if isinstance(head, nn.Embedding):
+            return torch.nn.functional.linear(hidden, head.weight)
+        return head(hidden)
 
     def forward(
         self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,

@@ -47,10 +47,9 @@ class Gemma3ForCausalLM(DecoderLM):
         self._init_head(config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
         # Rounded to the weight dtype before the multiply, as the reference does.
-        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=weight.dtype)
-        return self.model.embed_tokens(input_ids) * scale
+        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
+        return self.model.embed_tokens(input_ids).to(self.dtype) * scale
 
     def rotary_for(self, layer_idx: int) -> RotaryEmbedding:
         return self.rotary_local if self.config.layer_types[layer_idx] == "sliding" else self.rotary_global

@@ -22,7 +22,7 @@ import torch
 from paperback import __version__
 from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
 from paperback.models import DecoderLM, ModelConfig, RopeConfig
-from paperback.quantization.qlinear import QuantLinear
+from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
 from paperback.quantization.scheme import QuantScheme
 
 RECIPE_FILE = "recipe.json"
@@ -30,8 +30,12 @@ WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 
 
+def _packed_class(param_name: str) -> type[QuantLinear]:
+    return QuantEmbedding if param_name.endswith("embed_tokens.weight") else QuantLinear
+
+
 def _replace_linear(model: DecoderLM, param_name: str, make) -> None:
-    """Swap the nn.Linear owning `param_name` for make(old_linear)."""
+    """Swap the nn.Linear (or nn.Embedding) owning `param_name` for make(old_module)."""
     module_name = param_name.removesuffix(".weight")
     parent_name, _, child = module_name.rpartition(".")
     try:
@@ -45,7 +49,8 @@ def _replace_linear(model: DecoderLM, param_name: str, make) -> None:
 def swap_in_quantized(model: DecoderLM, quantized: dict) -> DecoderLM:
     """Replace nn.Linear modules named in `quantized` ({param name: QuantizedWeight}) by QuantLinear."""
     for param_name, q in quantized.items():
-        _replace_linear(model, param_name, lambda old, q=q: QuantLinear.from_quantized(q, old.bias))
+        cls = _packed_class(param_name)
+        _replace_linear(model, param_name, lambda old, q=q, cls=cls: cls.from_quantized(q, getattr(old, "bias", None)))
     return model
 
 
@@ -118,9 +123,10 @@ def quantized_layers(recipe: dict) -> dict[str, QuantScheme]:
 def prepare_quantized_model(model: DecoderLM, recipe: dict) -> DecoderLM:
     """Swap meta-device Linear modules for empty QuantLinear shells before loading a checkpoint."""
     for param_name, scheme in quantized_layers(recipe).items():
-        def shell(old, scheme=scheme):
+        def shell(old, scheme=scheme, cls=_packed_class(param_name)):
+            out_features, in_features = old.weight.shape
             with torch.device("meta"):
-                return QuantLinear(old.in_features, old.out_features, scheme, old.bias is not None)
+                return cls(in_features, out_features, scheme, getattr(old, "bias", None) is not None)
 
         _replace_linear(model, param_name, shell)
     return model

@@ -112,4 +112,4 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
 
     codes = torch.empty_like(Q)
     codes[:, perm] = Q
-    return QuantizedWeight(codes.to(torch.uint8), scales, zeros, QuantScheme(**scheme.to_dict()))
+    return QuantizedWeight(codes.to(torch.uint8), scales, zeros, QuantScheme(**scheme.to_dict()), "gptq")

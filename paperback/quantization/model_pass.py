@@ -23,6 +23,29 @@ from paperback.quantization.scheme import QuantScheme
 METHODS = ("rtn", "gptq")
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# Outside the blocks: the token embedding and the output head. On a tied model
+# they are one matrix, so selecting either quantizes it for both.
+EDGE_TARGETS = ("embed", "head")
+EMBED_PARAM, HEAD_PARAM = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def parse_targets(spec: str) -> tuple[str, ...]:
+    """'blocks,head' -> the block linears plus 'head'; names may omit their 'self_attn.'/'mlp.' prefix."""
+    short = {name.rpartition(".")[2]: name for name in BLOCK_LINEARS}
+    targets: list[str] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        if item == "blocks":
+            targets += BLOCK_LINEARS
+        elif item in BLOCK_LINEARS or item in EDGE_TARGETS:
+            targets.append(item)
+        elif item in short:
+            targets.append(short[item])
+        else:
+            raise PaperbackError(f"unknown quantization target '{item}' (choose from blocks, embed, head, "
+                                 f"{', '.join(short)})")
+    if not targets:
+        raise PaperbackError("no quantization targets given")
+    return tuple(dict.fromkeys(targets))
 # Linears that read the same input share one Hessian: accumulated once, not once per linear.
 INPUT_OF = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
             "mlp.up_proj": "mlp.gate_proj"}
@@ -39,13 +62,42 @@ class QuantizeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise PaperbackError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
-        unknown = set(self.targets) - set(BLOCK_LINEARS)
+        unknown = set(self.targets) - set(BLOCK_LINEARS) - set(EDGE_TARGETS)
         if unknown:
             raise PaperbackError(f"unknown target modules: {', '.join(sorted(unknown))}")
 
 
 def _targets(layer: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
-    return {name: layer.get_submodule(name) for name in config.targets}
+    return {name: layer.get_submodule(name) for name in config.targets if name in BLOCK_LINEARS}
+
+
+def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torch.Tensor | None,
+                    results: dict[str, QuantizedWeight]) -> None:
+    """Embedding and head: GPTQ for the head when its input Hessian is known, RTN otherwise.
+
+    The embedding has no input activations to weigh its error by, so it is rounded.
+    """
+    wanted = set(config.targets) & set(EDGE_TARGETS)
+    if not wanted:
+        return
+
+    def quantize(weight: torch.Tensor, as_head: bool) -> QuantizedWeight:
+        if as_head and head_hessian is not None:
+            return gptq_quantize(weight, head_hessian, config.scheme, config.gptq)
+        return quantize_rtn(weight, config.scheme)
+
+    if model.lm_head is None:  # tied: one matrix serves both
+        module, name = model.model.embed_tokens, EMBED_PARAM
+        q = quantize(module.weight, as_head="head" in wanted)
+        _set_weight(module, q)
+        results[name] = q
+        return
+    if "head" in wanted:
+        results[HEAD_PARAM] = q = quantize(model.lm_head.weight, as_head=True)
+        _set_weight(model.lm_head, q)
+    if "embed" in wanted:
+        results[EMBED_PARAM] = q = quantize(model.model.embed_tokens.weight, as_head=False)
+        _set_weight(model.model.embed_tokens, q)
 
 
 def _set_weight(module: nn.Linear, q: QuantizedWeight) -> None:
@@ -71,11 +123,12 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
                 results[f"model.layers.{idx}.{name}.weight"] = q
             bar.update()
         bar.close()
+        _quantize_edges(model, config, None, results)
         return results
     if calibration is None:
         raise PaperbackError("GPTQ needs calibration data")
     batches = list(calibration.split(config.calibration_batch_size))
-    dtype = model.output_weight().dtype
+    dtype = model.dtype
     positions = torch.arange(calibration.shape[1])
     hidden = [model.embed(b) for b in batches]
     for idx, layer in enumerate(layers):
@@ -99,4 +152,11 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         hidden = [layer(x, cos, sin, 0, None) for x in hidden]  # inputs of the next block, post-quantization
         bar.update()
     bar.close()
+    head_hessian = None
+    if "head" in config.targets:
+        acc = HessianAccumulator(model.config.hidden_size)
+        for x in hidden:
+            acc.add_batch(model.model.norm(x))
+        head_hessian = acc.H
+    _quantize_edges(model, config, head_hessian, results)
     return results

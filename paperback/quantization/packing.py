@@ -51,9 +51,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Ten
         return packed.to(torch.uint8)
     out_features = packed.shape[0]
     if 8 % bits == 0:  # whole codes per byte: shift and mask
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed[..., None] >> shifts) & (2 ** bits - 1)
         return codes.reshape(out_features, -1)[:, :in_features].contiguous()
-    bit_stream = ((packed.to(torch.int32)[..., None] >> torch.arange(8, dtype=torch.int32)) & 1).reshape(out_features, -1)
+    byte_bits = torch.arange(8, dtype=torch.int32, device=packed.device)
+    bit_stream = ((packed.to(torch.int32)[..., None] >> byte_bits) & 1).reshape(out_features, -1)
     bit_stream = bit_stream[:, : in_features * bits].reshape(out_features, in_features, bits)
-    return (bit_stream << torch.arange(bits, dtype=torch.int32)).sum(-1).to(torch.uint8)
+    return (bit_stream << byte_bits[:bits]).sum(-1).to(torch.uint8)

@@ -7,16 +7,17 @@ Storage (per layer, out x in weight, G = ceil(in / group_size) groups):
                                               (asymmetric schemes only)
 Its byte count is exactly QuantScheme.storage_bits / 8 (up to row padding).
 
-This module's forward is the reference path: it unpacks and dequantizes and
-then multiplies. Fast kernels must match it.
+forward() runs the packed C kernel on CPU (kernels.py); reference_forward()
+unpacks and dequantizes with PyTorch ops and then multiplies, on any device.
+The kernel is tested against it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from paperback.quantization.kernels import packed_linear, reference_linear
 from paperback.quantization.packing import pack_codes, packed_row_bytes, unpack_codes
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme
@@ -52,7 +53,8 @@ class QuantLinear(nn.Module):
     def to_quantized(self) -> QuantizedWeight:
         groups = self.scheme.num_groups(self.in_features)
         if self.scheme.symmetric:
-            zeros = torch.full((self.out_features, groups), float(2 ** (self.scheme.bits - 1)))
+            zeros = torch.full((self.out_features, groups), float(2 ** (self.scheme.bits - 1)),
+                           device=self.scales.device)
         else:
             zeros = unpack_codes(self.qzeros, self.scheme.bits, groups).float()
         codes = unpack_codes(self.qweight, self.scheme.bits, self.in_features)
@@ -62,7 +64,10 @@ class QuantLinear(nn.Module):
         return self.to_quantized().dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return packed_linear(self, x)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference_linear(self, x)
 
     def storage_bytes(self) -> int:
         tensors = [self.qweight, self.scales] + ([self.qzeros] if self.qzeros is not None else [])
@@ -70,3 +75,24 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
+
+
+class QuantEmbedding(QuantLinear):
+    """A token embedding stored packed like QuantLinear (rows = vocabulary, in = hidden size).
+
+    forward(ids) gathers and dequantizes only the rows asked for; as_linear(x)
+    uses the table as an output head (tied embeddings), through the kernel.
+    """
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        zeros = self.qzeros[flat] if self.qzeros is not None else None
+        rows = QuantLinear(self.in_features, flat.numel(), self.scheme).to(self.scales.device)
+        rows.qweight, rows.scales, rows.qzeros = self.qweight[flat], self.scales[flat], zeros
+        return rows.dequantized_weight().reshape(*input_ids.shape, self.in_features)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(self, x)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.out_features}, embedding_dim={self.in_features}, scheme={self.scheme.label}"

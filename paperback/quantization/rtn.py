@@ -24,6 +24,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor
     scheme: QuantScheme
+    method: str = "rtn"  # which algorithm chose the codes, for the checkpoint's recipe
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -31,7 +32,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(codes - zero) * scale per element, computed in fp32, returned as `dtype`."""
-        sizes = torch.tensor([hi - lo for lo, hi in self.scheme.group_bounds(self.codes.shape[1])])
+        sizes = torch.tensor([hi - lo for lo, hi in self.scheme.group_bounds(self.codes.shape[1])],
+                             device=self.codes.device)
         zeros = self.zeros.repeat_interleave(sizes, dim=1)
         scales = self.scales.repeat_interleave(sizes, dim=1)
         return ((self.codes.float() - zeros) * scales).to(dtype)

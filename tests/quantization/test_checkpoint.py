@@ -85,3 +85,46 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     result = json.loads(capsys.readouterr().out)["results"][0]
     assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json"]) == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_embedding_and_head_as_targets_round_trip(tmp_path, tied, method):
+    from paperback.quantization.model_pass import parse_targets
+    from paperback.quantization.qlinear import QuantEmbedding
+
+    hf = tiny_llama_hf(num_hidden_layers=2, hidden_size=128, intermediate_size=200, tie_word_embeddings=tied)
+    lm = load_model(str(write_llama_gguf(hf, tmp_path / "tiny.gguf")), with_tokenizer=False)
+    calibration = torch.randint(0, 256, (4, 32))
+    config = QuantizeConfig(method, QuantScheme(4, 32), targets=parse_targets("blocks,embed,head"))
+    results = quantize_model(lm.model, config, calibration, progress=False)
+    expected = {"model.embed_tokens.weight"} | ({"lm_head.weight"} if not tied else set())
+    assert expected <= set(results) and len(results) == 14 + len(expected)
+    if method == "gptq":  # the head is weighed by its input Hessian, the embedding only rounded
+        head = results["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        assert head.method == "gptq"
+        if not tied:
+            assert results["model.embed_tokens.weight"].method == "rtn"
+    ids = torch.randint(0, 256, (2, 17))
+    with torch.no_grad():
+        fake_quant = lm.model(ids)
+        swap_in_quantized(lm.model, results)
+        packed_prefill, packed_decode = lm.model(ids), lm.model(ids[:1, :1])
+    assert isinstance(lm.model.model.embed_tokens, QuantEmbedding)
+    assert torch.allclose(packed_prefill, fake_quant, atol=1e-4, rtol=1e-4)
+    save_checkpoint(lm.model, None, {"layers": {n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}},
+                    tmp_path / "out")
+    loaded = load_model(str(tmp_path / "out"), with_tokenizer=False)
+    assert isinstance(loaded.model.model.embed_tokens, QuantEmbedding)
+    assert (loaded.model.lm_head is None) == tied
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids), packed_prefill)
+        assert torch.equal(loaded.model(ids[:1, :1]), packed_decode)
+
+
+def test_unknown_target_is_refused():
+    from paperback.quantization.model_pass import parse_targets
+
+    assert parse_targets("q_proj,head") == ("self_attn.q_proj", "head")
+    with pytest.raises(PaperbackError, match="unknown quantization target 'lm_head'"):
+        parse_targets("blocks,lm_head")

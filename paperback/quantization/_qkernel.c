@@ -1,0 +1,458 @@
+/* Packed integer weight kernels for QuantLinear on CPU.
+ *
+ * Layout (see qlinear.py): for an N x K weight in groups of `group_size`
+ * input features (G = ceil(K / group_size) groups per row)
+ *   qweight  uint8 (N, ceil(K * bits / 8))  codes packed LSB first along K
+ *   scales   fp16  (N, G)
+ *   qzeros   uint8 (N, ceil(G * bits / 8))  packed the same way; NULL means
+ *                                           symmetric, zero = 2^(bits - 1)
+ * and w[n, k] = (code - zero[g]) * scale[g].
+ *
+ * gemm() computes y = x W^T (+ bias) for a few rows of x straight from the
+ * packed bytes: each thread unpacks one weight row at a time into a small
+ * buffer that stays in L1, so memory traffic is the packed size. For many
+ * rows (prefill) the caller dequantizes once with dequantize() and uses BLAS.
+ *
+ * AVX2 + FMA + F16C code is selected at run time; a portable path covers
+ * other CPUs. Threads come from OpenMP; the extension links libgomp.so.1,
+ * which the dynamic loader resolves to the copy torch already loaded, so
+ * torch and these kernels share one thread pool instead of competing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PB_X86 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+typedef struct {
+    const uint8_t *qweight;
+    const uint16_t *scales;
+    const uint8_t *qzeros; /* NULL: symmetric */
+    const float *bias;     /* NULL: none */
+    int64_t n, k, groups, group_size, row_bytes, zero_row_bytes;
+    int bits;
+} QMatrix;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | ((exp + 112) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Codes start..start+count-1 of a packed row, any bit offset. */
+static void unpack_generic(const uint8_t *row, int bits, int64_t start, int64_t count, uint8_t *dst) {
+    const unsigned mask = (1u << bits) - 1;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t bit = (start + i) * bits;
+        unsigned v = row[bit >> 3];
+        int off = (int)(bit & 7);
+        if (off + bits > 8) v |= (unsigned)row[(bit >> 3) + 1] << 8;
+        dst[i] = (uint8_t)((v >> off) & mask);
+    }
+}
+
+static void unpack_row_portable(const uint8_t *row, int bits, int64_t count, uint8_t *dst) {
+    int64_t i = 0;
+    if (bits == 8) {
+        memcpy(dst, row, (size_t)count);
+        return;
+    }
+    if (bits == 4)
+        for (; i + 2 <= count; i += 2) {
+            dst[i] = row[i >> 1] & 15;
+            dst[i + 1] = row[i >> 1] >> 4;
+        }
+    if (bits == 3)
+        for (; i + 8 <= count; i += 8) {
+            const uint8_t *p = row + i / 8 * 3;
+            uint32_t v = p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+            for (int j = 0; j < 8; j++) dst[i + j] = (v >> (3 * j)) & 7;
+        }
+    unpack_generic(row, bits, i, count - i, dst + i);
+}
+
+static void scales_and_zeros(const QMatrix *m, int64_t r, float *scale, float *zero, uint8_t *zero_codes) {
+    for (int64_t g = 0; g < m->groups; g++) scale[g] = half_to_float(m->scales[r * m->groups + g]);
+    if (m->qzeros) {
+        unpack_row_portable(m->qzeros + r * m->zero_row_bytes, m->bits, m->groups, zero_codes);
+        for (int64_t g = 0; g < m->groups; g++) zero[g] = (float)zero_codes[g];
+    } else {
+        for (int64_t g = 0; g < m->groups; g++) zero[g] = (float)(1 << (m->bits - 1));
+    }
+}
+
+/* ---- portable path ---------------------------------------------------- */
+
+static void dequant_row_portable(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
+                                 float *out) {
+    for (int64_t g = 0; g < m->groups; g++) {
+        int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k;
+        for (int64_t i = lo; i < hi; i++) out[i] = ((float)codes[i] - zero[g]) * scale[g];
+    }
+}
+
+static float dot_portable(const float *a, const float *b, int64_t count) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0;
+    for (; i < count; i++) s += a[i] * b[i];
+    for (int j = 0; j < 8; j++) s += acc[j];
+    return s;
+}
+
+/* ---- AVX2 path -------------------------------------------------------- */
+#ifdef PB_X86
+
+AVX2 static void unpack_row_avx2(const uint8_t *row, int bits, int64_t count, uint8_t *dst) {
+    int64_t i = 0;
+    if (bits == 4) {
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        for (; i + 32 <= count; i += 32) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(row + i / 2));
+            __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm_unpacklo_epi8(lo, hi));
+            _mm_storeu_si128((__m128i *)(dst + i + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+    } else if (bits == 2) {
+        const __m128i low2 = _mm_set1_epi8(0x03);
+        for (; i + 64 <= count; i += 64) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(row + i / 4));
+            __m128i c0 = _mm_and_si128(v, low2), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), low2);
+            __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), low2), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), low2);
+            __m128i a = _mm_unpacklo_epi8(c0, c1), b = _mm_unpacklo_epi8(c2, c3);
+            __m128i c = _mm_unpackhi_epi8(c0, c1), d = _mm_unpackhi_epi8(c2, c3);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm_unpacklo_epi16(a, b));
+            _mm_storeu_si128((__m128i *)(dst + i + 16), _mm_unpackhi_epi16(a, b));
+            _mm_storeu_si128((__m128i *)(dst + i + 32), _mm_unpacklo_epi16(c, d));
+            _mm_storeu_si128((__m128i *)(dst + i + 48), _mm_unpackhi_epi16(c, d));
+        }
+    }
+    if (i == 0) {
+        unpack_row_portable(row, bits, count, dst);
+    } else {
+        unpack_generic(row, bits, i, count - i, dst + i);
+    }
+}
+
+AVX2 static float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static __m256 codes8(const uint8_t *c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+}
+
+AVX2 static void dequant_row_avx2(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
+                                  float *out) {
+    for (int64_t g = 0; g < m->groups; g++) {
+        int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k, i = lo;
+        const __m256 s = _mm256_set1_ps(scale[g]), z = _mm256_set1_ps(zero[g]);
+        for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_sub_ps(codes8(codes + i), z), s));
+        for (; i < hi; i++) out[i] = ((float)codes[i] - zero[g]) * scale[g];
+    }
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, int64_t count) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    }
+    for (; i + 8 <= count; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    float s = hsum256(_mm256_add_ps(a0, a1));
+    for (; i < count; i++) s += a[i] * b[i];
+    return s;
+}
+
+static int have_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+static int have_avx2(void) { return 0; }
+#endif
+
+static int use_avx2 = -1;
+
+static void unpack_row(const uint8_t *row, int bits, int64_t count, uint8_t *dst) {
+#ifdef PB_X86
+    if (use_avx2) {
+        unpack_row_avx2(row, bits, count, dst);
+        return;
+    }
+#endif
+    unpack_row_portable(row, bits, count, dst);
+}
+
+static void dequant_row(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero, float *out) {
+#ifdef PB_X86
+    if (use_avx2) {
+        dequant_row_avx2(m, codes, scale, zero, out);
+        return;
+    }
+#endif
+    dequant_row_portable(m, codes, scale, zero, out);
+}
+
+static float dot(const float *a, const float *b, int64_t count) {
+#ifdef PB_X86
+    if (use_avx2) return dot_avx2(a, b, count);
+#endif
+    return dot_portable(a, b, count);
+}
+
+/* Per-thread scratch, kept between calls and grown on demand: one unpacked
+ * row, its dequantized floats, and the row's scales and zeros. */
+typedef struct {
+    uint8_t *codes, *zero_codes;
+    float *row, *scale, *zero;
+    int64_t k, groups;
+} Scratch;
+
+static _Thread_local Scratch thread_scratch;
+
+static int scratch_alloc(Scratch *out, const QMatrix *m) {
+    Scratch *s = &thread_scratch;
+    if (s->k < m->k) {
+        free(s->codes), free(s->row);
+        s->codes = malloc((size_t)m->k + 64);
+        s->row = malloc(sizeof(float) * (size_t)m->k);
+        s->k = s->codes && s->row ? m->k : 0;
+    }
+    if (s->groups < m->groups) {
+        free(s->zero_codes), free(s->scale), free(s->zero);
+        s->zero_codes = malloc((size_t)m->groups + 64);
+        s->scale = malloc(sizeof(float) * (size_t)m->groups);
+        s->zero = malloc(sizeof(float) * (size_t)m->groups);
+        s->groups = s->zero_codes && s->scale && s->zero ? m->groups : 0;
+    }
+    *out = *s;
+    return s->k >= m->k && s->groups >= m->groups;
+}
+
+#ifdef PB_X86
+/* y[j] = sum_k w[k] x[j][k] for one weight row and `mb` (1..8) rows of x.
+ * Per group, sum_k (c - z) s x = s (sum_k c x - z sum_k x): the codes meet x
+ * as plain floats (one convert and one FMA per 8 codes) and the zero point
+ * is applied once per group through xsum[j][g], the group sums of x.
+ * Inlined per constant mb so the loops over j unroll. */
+AVX2 static inline __attribute__((always_inline)) void row_dot_avx2(const QMatrix *m, const uint8_t *codes,
+                                                                    const float *scale, const float *zero,
+                                                                    const float *x, const float *xsum, int mb,
+                                                                    float *out) {
+    __m256 total[8];
+    float tail[8] = {0};
+    for (int j = 0; j < mb; j++) total[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < m->groups; g++) {
+        int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k, i = lo;
+        const __m256 s = _mm256_set1_ps(scale[g]);
+        __m256 acc[8];
+        for (int j = 0; j < mb; j++) acc[j] = _mm256_setzero_ps();
+        if (mb == 1) { /* four independent chains hide the FMA latency */
+            __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (; i + 32 <= hi; i += 32) {
+                acc[0] = _mm256_fmadd_ps(codes8(codes + i), _mm256_loadu_ps(x + i), acc[0]);
+                a1 = _mm256_fmadd_ps(codes8(codes + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+                a2 = _mm256_fmadd_ps(codes8(codes + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+                a3 = _mm256_fmadd_ps(codes8(codes + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+            }
+            acc[0] = _mm256_add_ps(_mm256_add_ps(acc[0], a1), _mm256_add_ps(a2, a3));
+        }
+        for (; i + 8 <= hi; i += 8) {
+            const __m256 c = codes8(codes + i);
+            for (int j = 0; j < mb; j++) acc[j] = _mm256_fmadd_ps(c, _mm256_loadu_ps(x + j * m->k + i), acc[j]);
+        }
+        for (; i < hi; i++)
+            for (int j = 0; j < mb; j++) tail[j] += (float)codes[i] * scale[g] * x[j * m->k + i];
+        for (int j = 0; j < mb; j++) {
+            total[j] = _mm256_fmadd_ps(acc[j], s, total[j]);
+            tail[j] -= zero[g] * scale[g] * xsum[j * m->groups + g];
+        }
+    }
+    for (int j = 0; j < mb; j++) out[j] = hsum256(total[j]) + tail[j];
+}
+
+AVX2 static void row_times_x_avx2(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
+                                  const float *x, const float *xsum, int mb, float *out) {
+    switch (mb) { /* one specialised copy per row count */
+    case 1: row_dot_avx2(m, codes, scale, zero, x, xsum, 1, out); break;
+    case 2: row_dot_avx2(m, codes, scale, zero, x, xsum, 2, out); break;
+    case 3: row_dot_avx2(m, codes, scale, zero, x, xsum, 3, out); break;
+    case 4: row_dot_avx2(m, codes, scale, zero, x, xsum, 4, out); break;
+    case 5: row_dot_avx2(m, codes, scale, zero, x, xsum, 5, out); break;
+    case 6: row_dot_avx2(m, codes, scale, zero, x, xsum, 6, out); break;
+    case 7: row_dot_avx2(m, codes, scale, zero, x, xsum, 7, out); break;
+    default: row_dot_avx2(m, codes, scale, zero, x, xsum, 8, out); break;
+    }
+}
+#endif
+
+/* Rows of x handled together per weight row: each dequantized weight vector
+ * is reused from registers this many times. */
+#define ROW_BLOCK 8
+
+static int gemm(const QMatrix *m, const float *x, int64_t rows, float *y, int threads) {
+    int failed = 0;
+    /* Group sums of x, for applying zero points once per group. */
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * m->groups));
+    if (!xsum) return -1;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < m->groups; g++) {
+            int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k;
+            double acc = 0;
+            for (int64_t j = lo; j < hi; j++) acc += x[i * m->k + j];
+            xsum[i * m->groups + g] = (float)acc;
+        }
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        Scratch s;
+        int ok = scratch_alloc(&s, m);
+        failed = !ok;
+        /* every thread must reach the work-sharing loop, even one without scratch */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m->n; r++) {
+            if (!ok) continue;
+            unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s.codes);
+            scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
+            const float b = m->bias ? m->bias[r] : 0.0f;
+#ifdef PB_X86
+            if (use_avx2) {
+                float out[ROW_BLOCK];
+                for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
+                    int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
+                    row_times_x_avx2(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
+                    for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
+                }
+                continue;
+            }
+#endif
+            dequant_row(m, s.codes, s.scale, s.zero, s.row);
+            for (int64_t i = 0; i < rows; i++) y[i * m->n + r] = dot(s.row, x + i * m->k, m->k) + b;
+        }
+    }
+    free(xsum);
+    return failed ? -1 : 0;
+}
+
+static int dequantize(const QMatrix *m, float *out, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        Scratch s;
+        int ok = scratch_alloc(&s, m);
+        failed = !ok;
+        /* every thread must reach the work-sharing loop, even one without scratch */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m->n; r++) {
+                if (!ok) continue;
+                unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s.codes);
+                scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
+                dequant_row(m, s.codes, s.scale, s.zero, out + r * m->k);
+            }
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- Python bindings: raw pointers from torch tensors (checked in Python) ---- */
+
+static int parse_matrix(QMatrix *m, Py_ssize_t qweight, Py_ssize_t scales, Py_ssize_t qzeros, Py_ssize_t bias,
+                        Py_ssize_t n, Py_ssize_t k, Py_ssize_t bits, Py_ssize_t group_size) {
+    if (n < 1 || k < 1 || group_size < 1 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8)) {
+        PyErr_SetString(PyExc_ValueError, "invalid quantized matrix shape or bits");
+        return -1;
+    }
+    m->qweight = (const uint8_t *)qweight;
+    m->scales = (const uint16_t *)scales;
+    m->qzeros = (const uint8_t *)qzeros;
+    m->bias = (const float *)bias;
+    m->n = n, m->k = k, m->bits = (int)bits, m->group_size = group_size;
+    m->groups = ceil_div(k, group_size);
+    m->row_bytes = ceil_div(k * bits, 8);
+    m->zero_row_bytes = ceil_div(m->groups * bits, 8);
+    return 0;
+}
+
+static PyObject *py_gemm(PyObject *self, PyObject *args) {
+    Py_ssize_t x, rows, y, qweight, scales, qzeros, bias, n, k, bits, group_size, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &x, &rows, &y, &qweight, &scales, &qzeros, &bias, &n, &k, &bits,
+                          &group_size, &threads))
+        return NULL;
+    QMatrix m;
+    if (parse_matrix(&m, qweight, scales, qzeros, bias, n, k, bits, group_size) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = gemm(&m, (const float *)x, rows, (float *)y, threads < 1 ? 1 : (int)threads);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    Py_ssize_t out, qweight, scales, qzeros, n, k, bits, group_size, threads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &out, &qweight, &scales, &qzeros, &n, &k, &bits, &group_size, &threads))
+        return NULL;
+    QMatrix m;
+    if (parse_matrix(&m, qweight, scales, qzeros, 0, n, k, bits, group_size) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = dequantize(&m, (float *)out, threads < 1 ? 1 : (int)threads);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *args) {
+    int enable;
+    if (!PyArg_ParseTuple(args, "p", &enable)) return NULL;
+    use_avx2 = enable && have_avx2();
+    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+}
+
+static PyMethodDef methods[] = {
+    {"gemm", py_gemm, METH_VARARGS,
+     "gemm(x, rows, y, qweight, scales, qzeros, bias, n, k, bits, group_size, threads): y = x W^T + bias "
+     "from packed codes (pointers as ints; qzeros/bias 0 for none)"},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
+    {"set_simd", py_set_simd, METH_VARARGS, "set_simd(enable) -> name of the code path now in use"},
+    {"simd", py_simd, METH_NOARGS, "name of the code path in use: 'avx2' or 'portable'"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernel", "Packed integer weight kernels.", -1, methods};
+
+PyMODINIT_FUNC PyInit__qkernel(void) {
+    use_avx2 = have_avx2();
+    return PyModule_Create(&module);
+}

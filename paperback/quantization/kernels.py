@@ -1,0 +1,159 @@
+"""Matmul from packed weights: the C kernel on CPU, PyTorch on other devices.
+
+On CPU, a few rows of activations (decoding) go through `_qkernel.gemm`,
+which reads the packed bytes directly, so a 4-bit layer moves about an
+eighth of the bytes of an fp32 one. Many rows (prefill) are compute-bound,
+so the kernel dequantizes the matrix once into a temporary and BLAS does the
+product. Elsewhere (CUDA, or a CPU build without the extension) the PyTorch
+reference dequantizes and multiplies; it is what the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+try:  # torch is imported first so the extension shares torch's libgomp (one thread pool)
+    from paperback.quantization import _qkernel
+except ImportError as exc:  # built without a C compiler: reference path only
+    _qkernel = None
+    _IMPORT_ERROR = str(exc)
+
+# Activations with more rows than this are multiplied by BLAS after one
+# dequantization (benchmarks/bench_qkernel.py measures the crossover).
+GEMV_MAX_ROWS = 16
+
+# Prefill dequantizes this many bytes of fp32 weight rows at a time into a
+# reused buffer: it stays in cache and costs no page faults per call.
+DEQUANT_TILE_BYTES = 4 << 20
+
+_warned = False
+_scratch = threading.local()
+
+
+# PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
+enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
+
+
+def kernel_available() -> bool:
+    return _qkernel is not None and enabled
+
+
+def kernel_simd() -> str:
+    """'avx2', 'portable', or 'unavailable'."""
+    return _qkernel.simd() if _qkernel is not None else "unavailable"
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned and _qkernel is None:
+        log.warning("paperback's packed-weight kernel is not built (%s); quantized layers use the slow "
+                    "PyTorch reference path. Reinstall with a C compiler available.", _IMPORT_ERROR)
+        _warned = True
+
+
+def _matrix_args(layer, first_row: int = 0) -> tuple:
+    """Pointers to the packed rows of `layer` starting at `first_row`."""
+    groups = layer.scales.shape[1]
+    qzeros = 0
+    if layer.qzeros is not None:
+        qzeros = layer.qzeros.data_ptr() + first_row * layer.qzeros.shape[1]
+    return (layer.qweight.data_ptr() + first_row * layer.qweight.shape[1],
+            layer.scales.data_ptr() + first_row * groups * 2, qzeros)
+
+
+def _check_buffers(layer) -> None:
+    for name in ("qweight", "scales", "qzeros"):
+        t = getattr(layer, name)
+        if t is not None and not t.is_contiguous():
+            setattr(layer, name, t.contiguous())
+    if layer.scales.dtype != torch.float16:
+        raise TypeError(f"packed scales must be float16, got {layer.scales.dtype}")
+
+
+def _dequantize_rows(layer, first_row: int, out: torch.Tensor) -> None:
+    """Rows [first_row, first_row + len(out)) of the fp32 weight into `out` (contiguous)."""
+    _qkernel.dequantize(out.data_ptr(), *_matrix_args(layer, first_row), out.shape[0], layer.in_features,
+                        layer.scheme.bits, layer.scheme.group_size or layer.in_features, torch.get_num_threads())
+
+
+def dequantize_cpu(layer) -> torch.Tensor:
+    """fp32 (out, in) weight of a CPU QuantLinear via the kernel."""
+    _check_buffers(layer)
+    out = torch.empty(layer.out_features, layer.in_features)
+    _dequantize_rows(layer, 0, out)
+    return out
+
+
+def _tile_buffer(numel: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel)
+    return buf[:numel]
+
+
+def _dequantize_matmul(layer, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 @ W^T for many rows: BLAS on fp32 tiles of W dequantized into a reused buffer."""
+    n, k = layer.out_features, layer.in_features
+    tile = max(1, min(n, DEQUANT_TILE_BYTES // (4 * k)))
+    if tile == n:
+        w = _tile_buffer(n * k).view(n, k)
+        _dequantize_rows(layer, 0, w)
+        return F.linear(x2, w, bias)
+    y = torch.empty(x2.shape[0], n)
+    for first in range(0, n, tile):
+        rows = min(tile, n - first)
+        w = _tile_buffer(rows * k).view(rows, k)
+        _dequantize_rows(layer, first, w)
+        y[:, first:first + rows] = F.linear(x2, w, bias[first:first + rows] if bias is not None else None)
+    return y
+
+
+def _kernel_args(layer) -> tuple:
+    """(qweight, scales, qzeros, n, k, bits, group_size) for _qkernel, cached on the layer.
+
+    Recomputed when the buffers move (a new qweight pointer), e.g. after loading.
+    """
+    cached = layer.__dict__.get("_kernel_args")
+    if cached is None or cached[0] != layer.qweight.data_ptr():
+        _check_buffers(layer)
+        cached = (*_matrix_args(layer), layer.out_features, layer.in_features, layer.scheme.bits,
+                  layer.scheme.group_size or layer.in_features)
+        layer.__dict__["_kernel_args"] = cached
+    return cached
+
+
+def packed_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for a QuantLinear, by the fastest path available for x's device."""
+    if x.device.type != "cpu" or not kernel_available():
+        if x.device.type == "cpu":
+            _warn_once()
+        return reference_linear(layer, x)
+    args = _kernel_args(layer)
+    rows = x.numel() // layer.in_features
+    x2 = x.reshape(rows, layer.in_features)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    bias = layer.bias
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if rows > GEMV_MAX_ROWS:
+        y = _dequantize_matmul(layer, x2, bias)
+    else:
+        y = torch.empty(rows, layer.out_features)
+        _qkernel.gemm(x2.data_ptr(), rows, y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0,
+                      *args[3:], torch.get_num_threads())
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], layer.out_features)
+
+
+def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """Dequantize with PyTorch ops on x's device, then multiply."""
+    return F.linear(x, layer.dequantized_weight(x.dtype), layer.bias)

@@ -1,0 +1,97 @@
+"""The packed C kernel against QuantLinear's PyTorch reference."""
+
+import pytest
+import torch
+
+from paperback.quantization import QuantScheme, quantize_rtn
+from paperback.quantization import kernels
+from paperback.quantization.qlinear import QuantLinear
+from tests.helpers import max_rel_error
+
+SCHEMES = [QuantScheme(4, 128), QuantScheme(4, 32, True), QuantScheme(3, 64), QuantScheme(3, 128, True),
+           QuantScheme(2, 64), QuantScheme(2, 32, True), QuantScheme(8, None, True), QuantScheme(8, 128),
+           QuantScheme(4, None), QuantScheme(4, 100), QuantScheme(3, 7)]
+
+
+def make_layer(scheme, out_features, in_features, bias=True, seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(out_features, in_features)
+    return QuantLinear.from_quantized(quantize_rtn(w, scheme), torch.randn(out_features) if bias else None)
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def simd(request):
+    if request.param == "avx2" and kernels._qkernel.set_simd(True) != "avx2":
+        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    yield kernels._qkernel.set_simd(request.param == "avx2")
+    kernels._qkernel.set_simd(True)
+
+
+def test_the_kernel_is_built():
+    assert kernels.kernel_available(), "the C extension did not build; reinstall with a C compiler"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, kernels.GEMV_MAX_ROWS + 1])
+def test_kernel_matches_the_reference(scheme, rows, simd):
+    # 584 and 45 exercise tails that are not multiples of the SIMD width or the group size.
+    for out_features, in_features in [(48, 576), (33, 584), (5, 45)]:
+        layer = make_layer(scheme, out_features, in_features)
+        x = torch.randn(2, rows, in_features)
+        got, want = layer(x), layer.reference_forward(x)
+        assert got.shape == want.shape == (2, rows, out_features)
+        assert max_rel_error(got, want) < 2e-6, (scheme.label, rows, out_features, in_features)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
+def test_kernel_dequantizes_exactly(scheme, simd):
+    layer = make_layer(scheme, 37, 584, bias=False)
+    assert torch.equal(kernels.dequantize_cpu(layer), layer.dequantized_weight())
+
+
+def test_kernel_keeps_the_activation_dtype_and_handles_no_bias():
+    layer = make_layer(QuantScheme(4, 64), 64, 256, bias=False)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert max_rel_error(got.float(), layer.reference_forward(x.float())) < 1e-2
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_result_does_not_depend_on_thread_count(threads):
+    layer = make_layer(QuantScheme(4, 128), 301, 576)
+    x = torch.randn(2, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(threads)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_disabling_the_kernel_falls_back_to_the_reference(monkeypatch):
+    layer = make_layer(QuantScheme(4, 128), 16, 256)
+    x = torch.randn(1, 256)
+    monkeypatch.setattr(kernels, "enabled", False)
+    assert torch.equal(layer(x), layer.reference_forward(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
+def test_gpu_path_matches_the_cpu_kernel(scheme):
+    layer = make_layer(scheme, 96, 584)
+    x = torch.randn(3, 584)
+    want = layer(x)
+    got = layer.to("cuda")(x.cuda()).cpu()
+    assert max_rel_error(got, want) < 1e-4
+
+
+def test_prefill_tiles_cover_every_output_row(monkeypatch):
+    # A tile of 3 rows for a 10-row layer: tiles of 3, 3, 3 and a last one of 1.
+    layer = make_layer(QuantScheme(4, 64), 10, 128)
+    monkeypatch.setattr(kernels, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
+    x = torch.randn(kernels.GEMV_MAX_ROWS + 5, 128)
+    assert max_rel_error(layer(x), layer.reference_forward(x)) < 2e-6
