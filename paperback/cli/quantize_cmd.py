@@ -12,13 +12,13 @@ from paperback.cli.output import note, print_json, print_table
 
 
 def register(sub) -> None:
-    p = sub.add_parser("quantize", help="quantize a model's weights (RTN or GPTQ) and save a checkpoint",
+    p = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ or AWQ) and save a checkpoint",
                        description="Post-training weight quantization of every linear layer in the transformer "
                                    "blocks. Writes safetensors plus recipe.json; every other command accepts "
                                    "the output directory as MODEL.")
     add_model_arg(p)
     p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
-    p.add_argument("--method", choices=["rtn", "gptq"], default="gptq")
+    p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="gptq")
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per output channel")
     p.add_argument("--sym", action="store_true", help="symmetric (no zero points)")
@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on)")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
+    p.add_argument("--awq-samples", type=int, default=32,
+                   help="AWQ: calibration sequences its scale and clip searches run on (default 32)")
+    p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-clipping search")
     p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-len", type=int, default=512)
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from paperback.errors import PaperbackError
     from paperback.loading import load_model
     from paperback.quantization import GPTQConfig, QuantScheme
+    from paperback.quantization.awq import AWQConfig
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
     from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
     from paperback.quantization.model_pass import QuantizeConfig, parse_targets, quantize_model
@@ -50,11 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
-    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order),
+    awq = AWQConfig(clip=not args.no_clip, search_samples=args.awq_samples)
+    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order), awq,
                             parse_targets(args.targets))
-    calib_cfg = CalibrationConfig(args.calib, args.calib_samples, args.calib_len, args.seed)
+    # AWQ searches on fewer sequences; the recipe records what was used.
+    samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
+    calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
     lm = load_model(args.model, "fp32")
-    calibration = calibration_batch(lm.tokenizer, calib_cfg) if args.method == "gptq" else None
+    calibration = calibration_batch(lm.tokenizer, calib_cfg) if args.method != "rtn" else None
     start = time.perf_counter()
     quantized = quantize_model(lm.model, config, calibration, progress=not args.json)
     seconds = time.perf_counter() - start
@@ -64,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
         "method": args.method,
         "scheme": scheme.to_dict(),
         "gptq": asdict(config.gptq) if args.method == "gptq" else None,
+        "awq": config.awq.to_dict() if args.method == "awq" else None,
         "modules": list(config.targets),
-        "calibration": calib_cfg.to_dict() if args.method == "gptq" else None,
+        "calibration": calib_cfg.to_dict() if args.method != "rtn" else None,
         "quantize_seconds": seconds,
         "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
     }

@@ -91,10 +91,13 @@ def evaluate(
     dataset: str = "",
     progress: bool = True,
     bos_token_id: int | None = None,
+    reference_cache: dict | None = None,
 ) -> EvalResult:
     """Perplexity of `model` (and KL(reference || model), top-1 agreement) over windows.
 
     KL is the mean over scored positions of sum_v p_ref(v) (log p_ref(v) - log p(v)).
+    reference_cache: a dict kept across calls that stores the reference's
+    hidden states per window, so comparing many models runs the reference once.
     """
     limit = model.config.max_position_embeddings
     if context > limit:
@@ -112,7 +115,15 @@ def evaluate(
         first = w.score_from - w.start - 1
         targets = ids[w.score_from:w.end]
         hidden = model.hidden_states(window_ids)[0, first:-1]
-        ref_hidden = reference.hidden_states(window_ids)[0, first:-1] if reference is not None else None
+        ref_hidden = None
+        if reference is not None:
+            key = (dataset, len(tokens), w.start, w.end, w.score_from, bos_token_id)
+            if reference_cache is not None and key in reference_cache:
+                ref_hidden = reference_cache[key]
+            else:
+                ref_hidden = reference.hidden_states(window_ids)[0, first:-1]
+                if reference_cache is not None:
+                    reference_cache[key] = ref_hidden
         offset = 0
         ref_chunks = _log_probs(reference, ref_hidden) if reference is not None else None
         for logp in _log_probs(model, hidden):

@@ -13,8 +13,8 @@
  * buffer that stays in L1, so memory traffic is the packed size. For many
  * rows (prefill) the caller dequantizes once with dequantize() and uses BLAS.
  *
- * AVX2 + FMA + F16C code is selected at run time; a portable path covers
- * other CPUs. Threads come from OpenMP; the extension links libgomp.so.1,
+ * The widest code path the CPU runs is selected at run time: AVX-512
+ * (16 lanes), AVX2 + FMA (8 lanes), or portable C for other CPUs. Threads come from OpenMP; the extension links libgomp.so.1,
  * which the dynamic loader resolves to the copy torch already loaded, so
  * torch and these kernels share one thread pool instead of competing.
  */
@@ -195,15 +195,26 @@ AVX2 static float dot_avx2(const float *a, const float *b, int64_t count) {
     return s;
 }
 
-static int have_avx2(void) {
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512"};
+
+static int best_level(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+        return PORTABLE;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        return LEVEL_AVX512;
+    return LEVEL_AVX2;
 }
 #else
-static int have_avx2(void) { return 0; }
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512"};
+static int best_level(void) { return PORTABLE; }
 #endif
 
-static int use_avx2 = -1;
+/* The widest code path this CPU runs (tests can force a narrower one). */
+static int simd_level = PORTABLE;
+#define use_avx2 (simd_level >= LEVEL_AVX2)
 
 static void unpack_row(const uint8_t *row, int bits, int64_t count, uint8_t *dst) {
 #ifdef PB_X86
@@ -318,6 +329,69 @@ AVX2 static void row_times_x_avx2(const QMatrix *m, const uint8_t *codes, const 
 }
 #endif
 
+#ifdef PB_X86
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+AVX512 static inline __m512 codes16(const uint8_t *c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+
+/* row_dot_avx2 with 16 lanes; a group's last partial vector uses masked loads. */
+AVX512 static inline __attribute__((always_inline)) void row_dot_avx512(const QMatrix *m, const uint8_t *codes,
+                                                                        const float *scale, const float *zero,
+                                                                        const float *x, const float *xsum, int mb,
+                                                                        float *out) {
+    __m512 total[8];
+    float tail[8] = {0};
+    for (int j = 0; j < mb; j++) total[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < m->groups; g++) {
+        int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k, i = lo;
+        __m512 acc[8];
+        for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
+        if (mb == 1) {
+            __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            for (; i + 64 <= hi; i += 64) {
+                acc[0] = _mm512_fmadd_ps(codes16(codes + i), _mm512_loadu_ps(x + i), acc[0]);
+                a1 = _mm512_fmadd_ps(codes16(codes + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+                a2 = _mm512_fmadd_ps(codes16(codes + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+                a3 = _mm512_fmadd_ps(codes16(codes + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+            }
+            acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], a1), _mm512_add_ps(a2, a3));
+        }
+        for (; i + 16 <= hi; i += 16) {
+            const __m512 c = codes16(codes + i);
+            for (int j = 0; j < mb; j++) acc[j] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + j * m->k + i), acc[j]);
+        }
+        if (i < hi) {
+            const __mmask16 mask = (__mmask16)((1u << (hi - i)) - 1);
+            const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, codes + i)));
+            for (int j = 0; j < mb; j++)
+                acc[j] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask, x + j * m->k + i), acc[j]);
+        }
+        const __m512 s = _mm512_set1_ps(scale[g]);
+        for (int j = 0; j < mb; j++) {
+            total[j] = _mm512_fmadd_ps(acc[j], s, total[j]);
+            tail[j] -= zero[g] * scale[g] * xsum[j * m->groups + g];
+        }
+    }
+    for (int j = 0; j < mb; j++) out[j] = _mm512_reduce_add_ps(total[j]) + tail[j];
+}
+
+AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
+                                      const float *x, const float *xsum, int mb, float *out) {
+    switch (mb) {
+    case 1: row_dot_avx512(m, codes, scale, zero, x, xsum, 1, out); break;
+    case 2: row_dot_avx512(m, codes, scale, zero, x, xsum, 2, out); break;
+    case 3: row_dot_avx512(m, codes, scale, zero, x, xsum, 3, out); break;
+    case 4: row_dot_avx512(m, codes, scale, zero, x, xsum, 4, out); break;
+    case 5: row_dot_avx512(m, codes, scale, zero, x, xsum, 5, out); break;
+    case 6: row_dot_avx512(m, codes, scale, zero, x, xsum, 6, out); break;
+    case 7: row_dot_avx512(m, codes, scale, zero, x, xsum, 7, out); break;
+    default: row_dot_avx512(m, codes, scale, zero, x, xsum, 8, out); break;
+    }
+}
+#endif
+
 /* Rows of x handled together per weight row: each dequantized weight vector
  * is reused from registers this many times. */
 #define ROW_BLOCK 8
@@ -351,7 +425,10 @@ static int gemm(const QMatrix *m, const float *x, int64_t rows, float *y, int th
                 float out[ROW_BLOCK];
                 for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
                     int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
-                    row_times_x_avx2(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
+                    if (simd_level >= LEVEL_AVX512)
+                        row_times_x_avx512(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
+                    else
+                        row_times_x_avx2(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
                     for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
                 }
                 continue;
@@ -429,15 +506,22 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_set_simd(PyObject *self, PyObject *args) {
-    int enable;
-    if (!PyArg_ParseTuple(args, "p", &enable)) return NULL;
-    use_avx2 = enable && have_avx2();
-    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    int wanted = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(name, LEVEL_NAMES[i]) == 0) wanted = i;
+    if (strcmp(name, "best") == 0) wanted = LEVEL_AVX512;
+    if (wanted < 0) {
+        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, best)", name);
+        return NULL;
+    }
+    int best = best_level();
+    simd_level = wanted < best ? wanted : best;
+    return PyUnicode_FromString(LEVEL_NAMES[simd_level]);
 }
 
-static PyObject *py_simd(PyObject *self, PyObject *noargs) {
-    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
-}
+static PyObject *py_simd(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(LEVEL_NAMES[simd_level]); }
 
 static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
@@ -445,14 +529,15 @@ static PyMethodDef methods[] = {
      "from packed codes (pointers as ints; qzeros/bias 0 for none)"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
-    {"set_simd", py_set_simd, METH_VARARGS, "set_simd(enable) -> name of the code path now in use"},
-    {"simd", py_simd, METH_NOARGS, "name of the code path in use: 'avx2' or 'portable'"},
+    {"set_simd", py_set_simd, METH_VARARGS,
+     "set_simd(level) -> the code path now in use: the narrower of `level` and what the CPU runs"},
+    {"simd", py_simd, METH_NOARGS, "the code path in use: 'avx512', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernel", "Packed integer weight kernels.", -1, methods};
 
 PyMODINIT_FUNC PyInit__qkernel(void) {
-    use_avx2 = have_avx2();
+    simd_level = best_level();
     return PyModule_Create(&module);
 }

@@ -16,11 +16,12 @@ from tqdm.auto import tqdm
 
 from paperback.errors import PaperbackError
 from paperback.models import DecoderLM
+from paperback.quantization.awq import AWQConfig, awq_block
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 from paperback.quantization.scheme import QuantScheme
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Outside the blocks: the token embedding and the output head. On a tied model
@@ -56,6 +57,7 @@ class QuantizeConfig:
     method: str = "rtn"
     scheme: QuantScheme = field(default_factory=QuantScheme)
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    awq: AWQConfig = field(default_factory=AWQConfig)
     targets: tuple[str, ...] = BLOCK_LINEARS
     calibration_batch_size: int = 8
 
@@ -109,7 +111,7 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
                    progress: bool = True) -> dict[str, QuantizedWeight]:
     """Quantize model's block linears in place (fake-quant); returns {param name: QuantizedWeight}.
 
-    calibration: (N, L) token ids, required for GPTQ.
+    calibration: (N, L) token ids, required for GPTQ and AWQ.
     """
     layers = model.model.layers
     results: dict[str, QuantizedWeight] = {}
@@ -126,7 +128,10 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         _quantize_edges(model, config, None, results)
         return results
     if calibration is None:
-        raise PaperbackError("GPTQ needs calibration data")
+        raise PaperbackError(f"{config.method.upper()} needs calibration data")
+    if config.method == "awq":
+        _awq_pass(model, config, calibration, bar, results)
+        return results
     batches = list(calibration.split(config.calibration_batch_size))
     dtype = model.dtype
     positions = torch.arange(calibration.shape[1])
@@ -160,3 +165,21 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         head_hessian = acc.H
     _quantize_edges(model, config, head_hessian, results)
     return results
+
+
+def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,
+              results: dict[str, QuantizedWeight]) -> None:
+    """AWQ block by block on the first `search_samples` calibration sequences; head and embedding rounded."""
+    samples = calibration[: config.awq.search_samples]
+    positions = torch.arange(samples.shape[1])
+    hidden = model.embed(samples)
+    block_targets = [name for name in config.targets if name in BLOCK_LINEARS]
+    for idx, layer in enumerate(model.model.layers):
+        cos, sin = model.rotary_for(idx)(positions, hidden.dtype)
+        for name, q in awq_block(layer, model.config.family, hidden, cos, sin, block_targets, config.scheme,
+                                 config.awq).items():
+            results[f"model.layers.{idx}.{name}.weight"] = q
+        hidden = layer(hidden, cos, sin, 0, None)  # inputs of the next block, post-quantization
+        bar.update()
+    bar.close()
+    _quantize_edges(model, config, None, results)

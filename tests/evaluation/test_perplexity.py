@@ -63,6 +63,22 @@ def test_kl_grows_with_damage(smollm2, wikitext_ids):
     r = evaluate(noisy.model, wikitext_ids[:600], 300, reference=smollm2.model, progress=False)
     assert r.kl_divergence > 0.01 and r.top1_agreement < 1.0 and r.perplexity > r.reference_perplexity
 
+    # A reference cache gives the same numbers without running the reference again.
+    cache = {}
+    first = evaluate(noisy.model, wikitext_ids[:600], 300, reference=smollm2.model, progress=False,
+                     reference_cache=cache)
+    assert len(cache) == 2
+
+    class NoForward:
+        def __getattr__(self, name):
+            if name == "hidden_states":
+                raise AssertionError("the reference ran again")
+            return getattr(smollm2.model, name)
+
+    again = evaluate(noisy.model, wikitext_ids[:600], 300, reference=NoForward(), progress=False,
+                     reference_cache=cache)
+    assert again == first == r
+
 
 def test_datasets():
     assert load_text("wikitext2").startswith(" \n = Robert Boulter = \n")

@@ -3,44 +3,12 @@ import json
 import pytest
 import torch
 
-from helpers import max_rel_error, tiny_llama_hf
+from helpers import SMALL, max_rel_error, tiny_hf
 from paperback.loading import load_model
-
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def _tiny(model_type: str):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if model_type == "llama3-untied":
-        return tiny_llama_hf(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 16})
-    if model_type == "llama-tied":
-        return tiny_llama_hf(tie_word_embeddings=True)
-    if model_type == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=None)).eval()
-    if model_type == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL)).eval()
-    if model_type == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=32)).eval()
-    if model_type == "gemma3":
-        cfg = tf.Gemma3TextConfig(**SMALL, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-        model = tf.Gemma3ForCausalLM(cfg).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.uniform_(-0.5, 0.5)
-        return model
-    raise ValueError(model_type)
-
 
 @pytest.mark.parametrize("model_type", ["llama3-untied", "llama-tied", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_safetensors_directory_matches_transformers(tmp_path, model_type):
-    hf = _tiny(model_type)
+    hf = tiny_hf(model_type)
     if model_type == "qwen2":  # biases are zero-initialised; make them count
         with torch.no_grad():
             for name, p in hf.named_parameters():

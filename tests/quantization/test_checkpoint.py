@@ -88,7 +88,7 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_embedding_and_head_as_targets_round_trip(tmp_path, tied, method):
     from paperback.quantization.model_pass import parse_targets
     from paperback.quantization.qlinear import QuantEmbedding

@@ -19,12 +19,14 @@ def make_layer(scheme, out_features, in_features, bias=True, seed=0):
     return QuantLinear.from_quantized(quantize_rtn(w, scheme), torch.randn(out_features) if bias else None)
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def simd(request):
-    if request.param == "avx2" and kernels._qkernel.set_simd(True) != "avx2":
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
-    yield kernels._qkernel.set_simd(request.param == "avx2")
-    kernels._qkernel.set_simd(True)
+    """Each code path the CPU runs, forced in turn."""
+    if kernels._qkernel.set_simd(request.param) != request.param:
+        kernels._qkernel.set_simd("best")
+        pytest.skip(f"this CPU does not run the {request.param} path")
+    yield request.param
+    kernels._qkernel.set_simd("best")
 
 
 def test_the_kernel_is_built():

@@ -1,0 +1,140 @@
+"""Weight quantization quality: perplexity and KL to the full model, per method and scheme.
+
+    .venv/bin/python benchmarks/bench_quality.py [--models smollm2 gemma3] [--methods rtn gptq awq]
+        [--schemes W8s-ch W4a-g64 W4a-g128 W3a-g64 W3a-g128 W2a-g64] [--windows 32]
+
+Each cell quantizes a fresh copy of the fp32 model (fake-quant: the
+dequantized weights, which the packed checkpoint reproduces exactly on the
+prefill path) and evaluates WikiText-2 and PTB windows of 512 tokens with the
+first window token set to BOS, against the unquantized model. Calibration is
+the Python documentation (pydoc), never the evaluation text. Results go to
+benchmarks/results/quality_<model>.json after every cell; a rerun skips the
+cells already there (--fresh to redo them).
+
+Both bundled models were shipped 4-bit (SmolLM2 as GGUF Q4_1: asymmetric,
+blocks of 32; Gemma 3 as Q4_K_M: 32-weight sub-blocks). The reference is that
+dequantized model, so a 4-bit asymmetric scheme in groups of 32 can land back
+on the source grid and look lossless for that reason alone: such cells are
+marked `aligned_with_source` and the README draws no conclusions from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from paperback.cli.output import print_table
+from paperback.evaluation import evaluate, load_text
+from paperback.loading import load_model
+from paperback.quantization import GPTQConfig, QuantScheme
+from paperback.quantization.awq import AWQConfig
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+RESULTS = Path(__file__).parent / "results"
+DEFAULT_SCHEMES = ["W8s-ch", "W4a-g64", "W4a-g128", "W3a-g64", "W3a-g128", "W2a-g64"]
+# The grid each bundled file was shipped on: 4-bit asymmetric blocks of 32 along the input.
+SOURCE_GRID = {"smollm2": "Q4_1 (4-bit asymmetric, blocks of 32)",
+               "gemma3": "Q4_K_M (4-bit, 32-weight sub-blocks with scales and minimums; some tensors Q6_K)"}
+
+
+def parse_scheme(label: str) -> QuantScheme:
+    """'W4a-g128' -> 4 bits, asymmetric, groups of 128; 'W8s-ch' -> symmetric per output channel."""
+    m = re.fullmatch(r"W(\d)([as])-(ch|g\d+)", label)
+    if not m:
+        raise SystemExit(f"bad scheme label {label!r} (like W4a-g128 or W8s-ch)")
+    group = None if m[3] == "ch" else int(m[3][1:])
+    return QuantScheme(int(m[1]), group, m[2] == "s")
+
+
+def aligned_with_source(scheme: QuantScheme) -> bool:
+    return scheme.bits == 4 and not scheme.symmetric and scheme.group_size == 32
+
+
+def bits_per_weight(quantized: dict) -> float:
+    bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())
+    return bits / sum(q.shape[0] * q.shape[1] for q in quantized.values())
+
+
+def run() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"])
+    parser.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES)
+    parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
+    parser.add_argument("--windows", type=int, default=32, help="windows of --context tokens per data set")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--calib", default="pydoc")
+    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-len", type=int, default=512)
+    parser.add_argument("--targets", default="blocks")
+    parser.add_argument("--fresh", action="store_true", help="recompute cells already in the JSON")
+    args = parser.parse_args()
+    schemes = {label: parse_scheme(label) for label in args.schemes}
+    for model_name in args.models:
+        out = RESULTS / f"quality_{model_name}.json"
+        report = json.loads(out.read_text()) if out.exists() and not args.fresh else {"cells": []}
+        done = {(c["method"], c["scheme"], c.get("targets", "blocks")) for c in report["cells"]}
+        lm = load_model(model_name, "fp32")
+        reference = lm.model
+        texts = {name: lm.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
+        bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
+        calib_cfg = CalibrationConfig(args.calib, args.calib_samples, args.calib_len)
+        calibration = calibration_batch(lm.tokenizer, calib_cfg)
+        cache: dict = {}
+        report.update(model=model_name, source_grid=SOURCE_GRID.get(model_name), context=args.context,
+                      windows=args.windows, calibration=calib_cfg.to_dict(), threads=torch.get_num_threads())
+        for method in args.methods:
+            for label, scheme in schemes.items():
+                if (method, label, args.targets) in done:
+                    continue
+                model = copy.deepcopy(reference)
+                from paperback.quantization.model_pass import parse_targets
+
+                config = QuantizeConfig(method, scheme, GPTQConfig(), AWQConfig(), parse_targets(args.targets))
+                start = time.perf_counter()
+                quantized = quantize_model(model, config, calibration if method != "rtn" else None)
+                seconds = time.perf_counter() - start
+                cell = {"method": method, "scheme": label, "targets": args.targets,
+                        "bits_per_weight": bits_per_weight(quantized), "quantize_seconds": seconds,
+                        "aligned_with_source": aligned_with_source(scheme)}
+                for name, tokens in texts.items():
+                    r = evaluate(model, tokens, args.context, None, reference, args.windows, dataset=name,
+                                 bos_token_id=bos, reference_cache=cache)
+                    cell[name] = {"perplexity": r.perplexity, "reference_perplexity": r.reference_perplexity,
+                                  "kl": r.kl_divergence, "top1": r.top1_agreement}
+                report["cells"].append(cell)
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(report, indent=2))
+                print(f"{model_name} {method} {label}: " + ", ".join(
+                    f"{n} ppl {cell[n]['perplexity']:.3f} kl {cell[n]['kl']:.4f}" for n in texts), flush=True)
+                del model
+        print_report(report, args.data)
+        print(f"wrote {out}")
+    return 0
+
+
+def print_report(report: dict, datasets: list[str]) -> None:
+    cells = report["cells"]
+    ref = {n: next((c[n]["reference_perplexity"] for c in cells if n in c), None) for n in datasets}
+    title = (f"{report['model']}: perplexity (KL to the reference), {report['windows']} windows x "
+             f"{report['context']} tokens; reference " + ", ".join(f"{n} {v:.3f}" for n, v in ref.items() if v))
+    columns = ["method", "scheme", "bits/w"] + datasets + ["quantize s"]
+    rows = []
+    for c in sorted(cells, key=lambda c: (c["scheme"], c["method"])):
+        mark = " *" if c["aligned_with_source"] else ""
+        rows.append([c["method"], c["scheme"] + mark, f"{c['bits_per_weight']:.3f}"]
+                    + [f"{c[n]['perplexity']:.3f} ({c[n]['kl']:.4f})" if n in c else "" for n in datasets]
+                    + [f"{c['quantize_seconds']:.0f}"])
+    print_table(title, columns, rows)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

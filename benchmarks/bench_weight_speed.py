@@ -1,0 +1,92 @@
+"""Decode and prefill speed of SmolLM2 in fp32, bf16, W8 and W4, in one run, with each roofline.
+
+    .venv/bin/python benchmarks/bench_weight_speed.py [--model smollm2] [--batch 1 8]
+
+Quantized checkpoints are made with RTN (speed does not depend on how the
+codes were chosen) into a temporary directory: W8 symmetric per channel and
+W4 asymmetric g128, each for the block linears alone and with the output head
+too (on SmolLM2 the tied 49152 x 576 head is a fifth of the weights, so it
+sets the pace once the blocks are small). Every configuration runs through
+`paperback bench` (its own worker process, the same WikiText-2 prompts),
+and the table gives tokens/s, the ratio to fp32, and the bound that the
+measured memory bandwidth puts on decoding. Writes
+benchmarks/results/weight_speed_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from paperback.cli import main as paperback
+from paperback.cli.output import print_table
+
+RESULTS = Path(__file__).parent / "results"
+QUANTIZED = {  # name: quantize arguments
+    "W8 blocks": ["--bits", "8", "--group-size", "0", "--sym"],
+    "W8 blocks+head": ["--bits", "8", "--group-size", "0", "--sym", "--targets", "blocks,head"],
+    "W4 blocks": ["--bits", "4", "--group-size", "128"],
+    "W4 blocks+head": ["--bits", "4", "--group-size", "128", "--targets", "blocks,head"],
+}
+
+
+def bench(spec: str, dtype: str, batches: list[str], out: Path) -> dict:
+    code = paperback(["bench", spec, "--dtype", dtype, "--peer", "none", "--batch", *batches, "-o", str(out),
+                      "--json"])
+    if code:
+        raise SystemExit(f"bench of {spec} ({dtype}) failed with exit code {code}")
+    return json.loads(out.read_text())
+
+
+def run() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--batch", nargs="+", default=["1", "8"])
+    parser.add_argument("-o", "--output", type=Path, default=None)
+    args = parser.parse_args()
+    output = args.output or RESULTS / f"weight_speed_{args.model}.json"
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="paperback-speed-") as tmp:
+        tmp = Path(tmp)
+        runs["fp32"] = bench(args.model, "fp32", args.batch, tmp / "fp32.json")
+        runs["bf16"] = bench(args.model, "bf16", args.batch, tmp / "bf16.json")
+        for name, quant_args in QUANTIZED.items():
+            ckpt = tmp / name.replace(" ", "_").replace("+", "_")
+            if paperback(["quantize", args.model, "--method", "rtn", *quant_args, "-o", str(ckpt), "--json"]):
+                raise SystemExit(f"quantizing {name} failed")
+            runs[name] = bench(str(ckpt), "fp32", args.batch, tmp / f"{ckpt.name}.json")
+    base = runs["fp32"]["engines"]["paperback"]
+    rows, table = [], []
+    for name, report in runs.items():
+        engine = report["engines"]["paperback"]
+        row = {"config": name, "weight_bytes_read_per_step": engine["model"]["weight_bytes_read_per_step"],
+               "prefill_tokens_per_s": engine["prefill_tokens_per_s"], "peak_rss_bytes": engine["peak_rss_bytes"],
+               "bandwidth_bytes_per_s": report["bandwidth_bytes_per_s"]}
+        cells = [name, f"{row['weight_bytes_read_per_step'] / 2**20:.0f}",
+                 f"{row['prefill_tokens_per_s']:.0f} ({row['prefill_tokens_per_s'] / base['prefill_tokens_per_s']:.2f}x)"]
+        for b in args.batch:
+            tps = engine["decode"][b]["decode_tokens_per_s"]
+            bound = report["roofline"][b]["max_tokens_per_s"]
+            row[f"decode_b{b}_tokens_per_s"], row[f"roofline_b{b}_tokens_per_s"] = tps, bound
+            ratio = tps / base["decode"][b]["decode_tokens_per_s"]
+            row[f"decode_b{b}_vs_fp32"] = ratio
+            cells += [f"{tps:.1f} ({ratio:.2f}x)", f"{bound:.0f}"]
+        cells.append(f"{row['peak_rss_bytes'] / 2**20:.0f}")
+        rows.append(row)
+        table.append(cells)
+    columns = ["config", "MiB read/step", "prefill tok/s"]
+    for b in args.batch:
+        columns += [f"decode b{b} tok/s", f"roofline b{b}"]
+    columns.append("peak RSS MiB")
+    print_table(f"{args.model}: speed by weight format (ratios to fp32 in the same run)", columns, table)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"model": args.model, "rows": rows, "runs": runs}, indent=2))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
