@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,18 @@ class BenchConfig:
 
 
 def peak_rss_bytes() -> int:
+    """This process's resident high-water mark.
+
+    On Linux, VmHWM: getrusage's ru_maxrss carries the parent's high-water mark
+    across fork + exec, so a worker started by a large process would report
+    the parent's size.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib * 1024 if sys.platform != "darwin" else kib
 

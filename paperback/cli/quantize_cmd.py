@@ -13,9 +13,11 @@ from paperback.cli.output import note, print_json, print_table
 
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ or AWQ) and save a checkpoint",
-                       description="Post-training weight quantization of every linear layer in the transformer "
-                                   "blocks. Writes safetensors plus recipe.json; every other command accepts "
-                                   "the output directory as MODEL.")
+                       description="Post-training weight quantization of the linear layers in the transformer "
+                                   "blocks (and, with --targets, the embedding and output head): RTN, GPTQ, or "
+                                   "AWQ, calibrated on a corpus that is not the evaluation text (default: the Python "
+                                   "documentation). Writes packed safetensors plus recipe.json; every other "
+                                   "command accepts the output directory as MODEL.")
     add_model_arg(p)
     p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
     p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="gptq")

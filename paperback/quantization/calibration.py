@@ -22,10 +22,13 @@ class CalibrationConfig:
     num_samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    span: float = 1.0  # draw windows from this leading fraction of the corpus (keep the rest for evaluation)
 
     def __post_init__(self):
         if self.num_samples < 1 or self.seq_len < 2:
             raise PaperbackError("calibration needs at least 1 sample of at least 2 tokens")
+        if not 0 < self.span <= 1:
+            raise PaperbackError(f"calibration span must be in (0, 1], got {self.span}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,6 +37,7 @@ class CalibrationConfig:
 def calibration_batch(tokenizer, config: CalibrationConfig) -> torch.Tensor:
     """(num_samples, seq_len) int64 windows starting at seeded random offsets."""
     ids = tokenizer.encode(load_text(config.corpus), add_special_tokens=False)
+    ids = ids[: int(len(ids) * config.span)]
     if len(ids) <= config.seq_len:
         raise DatasetError(
             f"calibration text '{config.corpus}' has {len(ids)} tokens, too few for samples of {config.seq_len}"

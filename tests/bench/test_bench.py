@@ -60,3 +60,17 @@ def test_bench_against_transformers():
     rows = bench_rows(report)
     assert set(report["engines"]) == {"paperback", "transformers"}
     assert all(row[3].endswith("x") for row in rows)
+
+
+def test_peak_rss_of_a_worker_is_its_own_not_its_parents():
+    """ru_maxrss survives fork + exec on Linux; a worker started by a big process must not report it."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(600 << 20)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    code = "from paperback.bench.engines import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert child < 500 << 20
+    del ballast

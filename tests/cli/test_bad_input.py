@@ -120,3 +120,13 @@ def test_quantize_calibration_text_too_short(tmp_path, capsys):
     short.write_text("only a few words here")
     msg = run_cli(capsys, "quantize", "smollm2", "--method", "gptq", "--calib", str(short), "-o", str(tmp_path / "q"))
     assert "too few for samples" in msg and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--targets", "blocks,lm_head"], "unknown quantization target 'lm_head'"),
+    (["--group-size", "-4"], "group size must be positive"),
+    (["--method", "awq", "--bits", "1"], "unsupported bits 1"),
+])
+def test_quantize_bad_settings_fail_before_any_work(tmp_path, capsys, argv, message):
+    assert message in run_cli(capsys, "quantize", "smollm2", *argv, "-o", str(tmp_path / "q"))
+    assert not (tmp_path / "q").exists()

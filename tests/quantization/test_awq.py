@@ -105,3 +105,17 @@ def test_awq_block_beats_rtn_on_held_out_inputs(tmp_path):
         awq_err = (layer(test, cos, sin, 0, None) - reference).pow(2).mean()
     assert set(results) == set(targets) and all(q.method == "awq" for q in results.values())
     assert awq_err < 0.8 * rtn_err
+
+
+def test_salient_rules_pick_channels_and_activation_finds_the_important_ones():
+    from paperback.quantization.salient import quantize_keeping, salient_channels
+
+    w, x = salient_problem()
+    scheme, s_x = QuantScheme(3, 128), activation_scale(x)
+    by_activation = salient_channels("activation", w, s_x, 0.03)
+    assert sorted(by_activation.tolist()) == list(range(8))  # ceil(3% of 256) = 8, the loud channels
+    assert len(salient_channels("random", w, None, 0.01, torch.Generator().manual_seed(0))) == 3
+    err = lambda keep: (x @ (quantize_keeping(w, scheme, keep) - w).T).pow(2).mean()
+    assert err(by_activation) < 0.5 * err(salient_channels("weight", w, s_x, 0.03))
+    with pytest.raises(Exception, match="unknown salient rule"):
+        salient_channels("loudest", w, s_x, 0.01)
