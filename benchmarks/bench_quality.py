@@ -36,7 +36,7 @@ from paperback.loading import load_model
 from paperback.quantization import GPTQConfig, QuantScheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
-from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+from paperback.quantization.model_pass import QuantizeConfig, parse_targets, quantize_model
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_SCHEMES = ["W8s-ch", "W4a-g64", "W4a-g128", "W3a-g64", "W3a-g128", "W2a-g64"]
@@ -76,7 +76,15 @@ def run() -> int:
     parser.add_argument("--calib-len", type=int, default=512)
     parser.add_argument("--targets", default="blocks")
     parser.add_argument("--fresh", action="store_true", help="recompute cells already in the JSON")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the tables in the JSON files as Markdown (for the README) and exit")
     args = parser.parse_args()
+    if args.markdown:
+        for model_name in args.models:
+            path = RESULTS / f"quality_{model_name}.json"
+            if path.exists():
+                print(markdown_table(json.loads(path.read_text()), args.data, args.methods, args.schemes))
+        return 0
     schemes = {label: parse_scheme(label) for label in args.schemes}
     for model_name in args.models:
         out = RESULTS / f"quality_{model_name}.json"
@@ -91,13 +99,12 @@ def run() -> int:
         cache: dict = {}
         report.update(model=model_name, source_grid=SOURCE_GRID.get(model_name), context=args.context,
                       windows=args.windows, calibration=calib_cfg.to_dict(), threads=torch.get_num_threads())
-        for method in args.methods:
-            for label, scheme in schemes.items():
+        # Scheme by scheme, every method within one: a partial run still compares methods.
+        for label, scheme in schemes.items():
+            for method in args.methods:
                 if (method, label, args.targets) in done:
                     continue
                 model = copy.deepcopy(reference)
-                from paperback.quantization.model_pass import parse_targets
-
                 config = QuantizeConfig(method, scheme, GPTQConfig(), AWQConfig(), parse_targets(args.targets))
                 start = time.perf_counter()
                 quantized = quantize_model(model, config, calibration if method != "rtn" else None)
@@ -119,6 +126,27 @@ def run() -> int:
         print_report(report, args.data)
         print(f"wrote {out}")
     return 0
+
+
+def markdown_table(report: dict, datasets: list[str], methods: list[str], schemes: list[str]) -> str:
+    """One row per scheme, one column per method and data set: perplexity (KL)."""
+    cells = {(c["method"], c["scheme"]): c for c in report["cells"]}
+    ref = {n: next((c[n]["reference_perplexity"] for c in report["cells"] if n in c), None) for n in datasets}
+    header = ["scheme", "bits/w"] + [f"{m.upper() if m != 'awq' else 'AWQ'} {n}" for n in datasets for m in methods]
+    lines = [f"{report['model']}, {report['windows']} windows x {report['context']} tokens; reference perplexity "
+             + ", ".join(f"{n} {v:.3f}" for n, v in ref.items() if v is not None), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in schemes:
+        row_cells = [cells.get((m, label)) for m in methods]
+        if not any(row_cells):
+            continue
+        bits = next(c["bits_per_weight"] for c in row_cells if c)
+        row = [label, f"{bits:.3f}"]
+        for n in datasets:
+            for c in row_cells:
+                row.append(f"{c[n]['perplexity']:.2f} ({c[n]['kl']:.3f})" if c else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def print_report(report: dict, datasets: list[str]) -> None:

@@ -53,6 +53,20 @@ def module_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def parameter_count(module: torch.nn.Module) -> int:
+    """Weights the model computes with, each counted once: packed layers count in x out, not bytes."""
+    seen: set[int] = set()
+    total = 0
+    for sub in module.modules():
+        if hasattr(sub, "storage_bytes"):  # QuantLinear / QuantEmbedding
+            total += sub.in_features * sub.out_features
+        for tensor in sub.parameters(recurse=False):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel()
+    return total
+
+
 def weight_bytes_read_per_step(model) -> int:
     """Weight bytes a decode step reads: every matrix once, but one embedding row.
 

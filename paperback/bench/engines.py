@@ -173,12 +173,13 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
 
 
 def _model_facts(lm, cfg: BenchConfig) -> dict:
-    from paperback.memory import kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, weight_bytes_read_per_step
+    from paperback.memory import (kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
+                                  weight_bytes_read_per_step)
 
     return {
         "name": lm.config.name,
         "family": lm.config.family,
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
         "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
         "kv_bytes_per_token": kv_bytes_per_token(lm.config, lm.dtype),

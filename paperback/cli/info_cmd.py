@@ -18,17 +18,18 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
-    from paperback.memory import kv_bytes_per_token, module_bytes
+    from paperback.memory import kv_bytes_per_token, module_bytes, parameter_count
 
     lm = load_model(args.model, args.dtype)
     cfg = lm.config
     facts = {
         "source": str(lm.source.path),
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
         "kv_bytes_per_token": kv_bytes_per_token(cfg, lm.dtype),
         "chat_template": lm.tokenizer.chat_template is not None,
         "config": cfg.to_dict(),
+        "quantization": _quantization(lm),
     }
     if args.json:
         print_json(facts)
@@ -43,5 +44,26 @@ def run(args: argparse.Namespace) -> int:
              if cfg.sliding_window else "-"],
             ["RoPE theta", f"{cfg.rope.theta:g}"], ["tied embeddings", str(cfg.tie_word_embeddings)],
             ["chat template", str(facts["chat_template"])]]
+    if facts["quantization"]:
+        q = facts["quantization"]
+        rows.append(["quantization", f"{q['method']} {q['schemes']}, {q['layers']} layers at {q['bits_per_weight']:.3f} "
+                                     f"bits/weight"])
     print_table(cfg.name or lm.source.label, ["field", "value"], rows)
     return 0
+
+
+def _quantization(lm) -> dict | None:
+    """Method, schemes and exact bits per weight of a paperback checkpoint's packed layers."""
+    from paperback.quantization.checkpoint import quantized_layers, read_recipe
+
+    if lm.source.kind != "paperback":
+        return None
+    recipe = read_recipe(lm.source.path)
+    layers = quantized_layers(recipe)
+    bits = weights = 0
+    for name, scheme in layers.items():
+        module = lm.model.get_submodule(name.removesuffix(".weight"))
+        bits += scheme.storage_bits(module.out_features, module.in_features)
+        weights += module.out_features * module.in_features
+    return {"method": recipe.get("method"), "schemes": ", ".join(sorted({s.label for s in layers.values()})),
+            "layers": len(layers), "bits_per_weight": bits / weights if weights else 0.0}

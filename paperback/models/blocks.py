@@ -25,6 +25,14 @@ class KVCache(Protocol):
         """k, v: (B, Hkv, T, D) for positions start_pos..; returns (B, Hkv, start_pos + T, D)."""
 
 
+def run_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """Several linear layers applied to one input; packed (quantized) layers share one kernel call."""
+    many = getattr(linears[0], "forward_many", None)
+    if many is not None and all(type(linear) is type(linears[0]) for linear in linears):
+        return many(list(linears), x)
+    return [linear(x) for linear in linears]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, scaling: float, unit_offset_norm: bool):
         super().__init__()
@@ -48,9 +56,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, start_pos: int, kv_cache: KVCache | None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = run_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -69,7 +78,8 @@ class GatedMLP(nn.Module):
         self.act = gated_mlp_act(config.hidden_act)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = run_linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderBackbone(nn.Module):

@@ -396,27 +396,40 @@ AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, co
  * is reused from registers this many times. */
 #define ROW_BLOCK 8
 
-static int gemm(const QMatrix *m, const float *x, int64_t rows, float *y, int threads) {
+#define MAX_MATRICES 8
+
+/* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
+ * gate and up): one parallel region over all their rows instead of one each.
+ * All matrices share k, bits and group size. */
+static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads) {
+    const QMatrix *m0 = &ms[0];
     int failed = 0;
+    int64_t first_row[MAX_MATRICES + 1] = {0};
+    for (int i = 0; i < count; i++) first_row[i + 1] = first_row[i] + ms[i].n;
     /* Group sums of x, for applying zero points once per group. */
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * m->groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
     if (!xsum) return -1;
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t g = 0; g < m->groups; g++) {
-            int64_t lo = g * m->group_size, hi = lo + m->group_size < m->k ? lo + m->group_size : m->k;
+        for (int64_t g = 0; g < m0->groups; g++) {
+            int64_t lo = g * m0->group_size, hi = lo + m0->group_size < m0->k ? lo + m0->group_size : m0->k;
             double acc = 0;
-            for (int64_t j = lo; j < hi; j++) acc += x[i * m->k + j];
-            xsum[i * m->groups + g] = (float)acc;
+            for (int64_t j = lo; j < hi; j++) acc += x[i * m0->k + j];
+            xsum[i * m0->groups + g] = (float)acc;
         }
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         Scratch s;
-        int ok = scratch_alloc(&s, m);
+        int ok = scratch_alloc(&s, m0);
         failed = !ok;
         /* every thread must reach the work-sharing loop, even one without scratch */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m->n; r++) {
+        for (int64_t row = 0; row < first_row[count]; row++) {
             if (!ok) continue;
+            int which = 0;
+            while (row >= first_row[which + 1]) which++;
+            const QMatrix *m = &ms[which];
+            float *y = ys[which];
+            const int64_t r = row - first_row[which];
             unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s.codes);
             scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
             const float b = m->bias ? m->bias[r] : 0.0f;
@@ -487,8 +500,39 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
         return NULL;
     QMatrix m;
     if (parse_matrix(&m, qweight, scales, qzeros, bias, n, k, bits, group_size) < 0) return NULL;
+    float *ys[1] = {(float *)y};
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gemm(&m, (const float *)x, rows, (float *)y, threads < 1 ? 1 : (int)threads);
+    Py_BEGIN_ALLOW_THREADS rc = gemm_many(&m, 1, (const float *)x, rows, ys, threads < 1 ? 1 : (int)threads);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gemm_many(PyObject *self, PyObject *args) {
+    Py_ssize_t x, rows, k, bits, group_size, threads;
+    PyObject *mats;
+    if (!PyArg_ParseTuple(args, "nnnnnnO", &x, &rows, &k, &bits, &group_size, &threads, &mats)) return NULL;
+    PyObject *seq = PySequence_Fast(mats, "matrices must be a sequence of (y, qweight, scales, qzeros, bias, n)");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count < 1 || count > MAX_MATRICES) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "between 1 and %d matrices, got %zd", MAX_MATRICES, count);
+        return NULL;
+    }
+    QMatrix ms[MAX_MATRICES];
+    float *ys[MAX_MATRICES];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t y, qweight, scales, qzeros, bias, n;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "nnnnnn", &y, &qweight, &scales, &qzeros, &bias, &n) ||
+            parse_matrix(&ms[i], qweight, scales, qzeros, bias, n, k, bits, group_size) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        ys[i] = (float *)y;
+    }
+    Py_DECREF(seq);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = gemm_many(ms, (int)count, (const float *)x, rows, ys, threads < 1 ? 1 : (int)threads);
     Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -527,6 +571,9 @@ static PyMethodDef methods[] = {
     {"gemm", py_gemm, METH_VARARGS,
      "gemm(x, rows, y, qweight, scales, qzeros, bias, n, k, bits, group_size, threads): y = x W^T + bias "
      "from packed codes (pointers as ints; qzeros/bias 0 for none)"},
+    {"gemm_many", py_gemm_many, METH_VARARGS,
+     "gemm_many(x, rows, k, bits, group_size, threads, [(y, qweight, scales, qzeros, bias, n), ...]): "
+     "gemm for several matrices that read the same x, in one parallel region"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
     {"set_simd", py_set_simd, METH_VARARGS,

@@ -154,6 +154,36 @@ def packed_linear(layer, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], layer.out_features)
 
 
+def packed_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers]: one kernel call when they can share it.
+
+    Layers that read the same input with one scheme (q, k and v; gate and up)
+    run in one parallel region: fewer calls, and the work splits evenly over
+    threads even when one matrix is small.
+    """
+    first = layers[0]
+    rows = x.numel() // first.in_features
+    shareable = (x.device.type == "cpu" and kernel_available() and rows <= GEMV_MAX_ROWS
+                 and all(layer.in_features == first.in_features and layer.scheme == first.scheme for layer in layers))
+    if not shareable:
+        return [layer(x) for layer in layers]
+    x2 = x.reshape(rows, first.in_features)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    outputs, mats = [], []
+    for layer in layers:
+        args = _kernel_args(layer)
+        bias = layer.bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        y = torch.empty(rows, layer.out_features)
+        outputs.append(y)
+        mats.append((y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0, layer.out_features))
+    _qkernel.gemm_many(x2.data_ptr(), rows, first.in_features, first.scheme.bits,
+                       first.scheme.group_size or first.in_features, torch.get_num_threads(), mats)
+    return [(y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], y.shape[1]) for y in outputs]
+
+
 def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
     """Dequantize with PyTorch ops on x's device, then multiply."""
     return F.linear(x, layer.dequantized_weight(x.dtype), layer.bias)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paperback.quantization.kernels import packed_linear, reference_linear
+from paperback.quantization.kernels import packed_linear, packed_linears, reference_linear
 from paperback.quantization.packing import pack_codes, packed_row_bytes, unpack_codes
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme
@@ -68,6 +68,11 @@ class QuantLinear(nn.Module):
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         return reference_linear(self, x)
+
+    @staticmethod
+    def forward_many(layers: list["QuantLinear"], x: torch.Tensor) -> list[torch.Tensor]:
+        """Several packed layers on one input (see kernels.packed_linears)."""
+        return packed_linears(layers, x)
 
     def storage_bytes(self) -> int:
         tensors = [self.qweight, self.scales] + ([self.qzeros] if self.qzeros is not None else [])

@@ -85,6 +85,12 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     result = json.loads(capsys.readouterr().out)["results"][0]
     assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == 134_515_008  # packed layers count their weights, not their bytes
+    assert info["quantization"] == {"method": "rtn", "schemes": "W4a-g64", "layers": 210,
+                                    "bits_per_weight": pytest.approx(summary["bits_per_weight"])}
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -97,3 +97,17 @@ def test_prefill_tiles_cover_every_output_row(monkeypatch):
     monkeypatch.setattr(kernels, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
     x = torch.randn(kernels.GEMV_MAX_ROWS + 5, 128)
     assert max_rel_error(layer(x), layer.reference_forward(x)) < 2e-6
+
+
+@pytest.mark.parametrize("rows", [1, 5, kernels.GEMV_MAX_ROWS + 3])
+def test_layers_sharing_an_input_share_one_call_with_the_same_results(rows, simd):
+    scheme = QuantScheme(4, 64)
+    layers = [make_layer(scheme, n, 576, bias=i == 0, seed=i) for i, n in enumerate([48, 16, 16])]
+    x = torch.randn(1, rows, 576)
+    together = QuantLinear.forward_many(layers, x)
+    for layer, y in zip(layers, together):
+        assert torch.equal(y, layer(x))
+    # Different schemes cannot share a call; the results are still each layer's own.
+    mixed = layers[:2] + [make_layer(QuantScheme(8, None, True), 16, 576)]
+    for layer, y in zip(mixed, QuantLinear.forward_many(mixed, x)):
+        assert torch.equal(y, layer(x))
