@@ -25,7 +25,7 @@ from paperback.quantization.scheme import QuantScheme
 class GPTQConfig:
     damp: float = 0.01
     block_size: int = 128
-    act_order: bool = False
+    act_order: bool = True  # visit columns by decreasing Hessian diagonal (static groups); see README
 
     def __post_init__(self):
         if not 0 < self.damp < 1:
