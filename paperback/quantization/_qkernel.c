@@ -8,7 +8,7 @@
  *                                           symmetric, zero = 2^(bits - 1)
  * and w[n, k] = (code - zero[g]) * scale[g].
  *
- * gemm() computes y = x W^T (+ bias) for a few rows of x straight from the
+ * gemm_many() computes y = x W^T (+ bias) for a few rows of x straight from the
  * packed bytes: each thread unpacks one weight row at a time into a small
  * buffer that stays in L1, so memory traffic is the packed size. For many
  * rows (prefill) the caller dequantizes once with dequantize() and uses BLAS.
@@ -493,20 +493,6 @@ static int parse_matrix(QMatrix *m, Py_ssize_t qweight, Py_ssize_t scales, Py_ss
     return 0;
 }
 
-static PyObject *py_gemm(PyObject *self, PyObject *args) {
-    Py_ssize_t x, rows, y, qweight, scales, qzeros, bias, n, k, bits, group_size, threads;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &x, &rows, &y, &qweight, &scales, &qzeros, &bias, &n, &k, &bits,
-                          &group_size, &threads))
-        return NULL;
-    QMatrix m;
-    if (parse_matrix(&m, qweight, scales, qzeros, bias, n, k, bits, group_size) < 0) return NULL;
-    float *ys[1] = {(float *)y};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gemm_many(&m, 1, (const float *)x, rows, ys, threads < 1 ? 1 : (int)threads);
-    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_gemm_many(PyObject *self, PyObject *args) {
     Py_ssize_t x, rows, k, bits, group_size, threads;
     PyObject *mats;
@@ -568,9 +554,6 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
 static PyObject *py_simd(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(LEVEL_NAMES[simd_level]); }
 
 static PyMethodDef methods[] = {
-    {"gemm", py_gemm, METH_VARARGS,
-     "gemm(x, rows, y, qweight, scales, qzeros, bias, n, k, bits, group_size, threads): y = x W^T + bias "
-     "from packed codes (pointers as ints; qzeros/bias 0 for none)"},
     {"gemm_many", py_gemm_many, METH_VARARGS,
      "gemm_many(x, rows, k, bits, group_size, threads, [(y, qweight, scales, qzeros, bias, n), ...]): "
      "gemm for several matrices that read the same x, in one parallel region"},

@@ -211,7 +211,7 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
         s, _ = search_scale([linear.weight.data for linear in linears], s_x, output_of,
                             reference, scheme, config.grid, [name in targets for name in group.linears])
         fold_scale(layer.get_submodule(group.prev), linears, s)
-    quantized_names = [name for name in targets]
+    quantized_names = list(targets)
     if config.clip:
         # Inputs again: the folds divided them by s. q and k are left unclipped, as in AWQ:
         # their errors pass through the softmax, which a per-layer output error does not see.

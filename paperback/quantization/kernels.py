@@ -46,7 +46,7 @@ def kernel_available() -> bool:
 
 
 def kernel_simd() -> str:
-    """'avx2', 'portable', or 'unavailable'."""
+    """'avx512', 'avx2', 'portable', or 'unavailable'."""
     return _qkernel.simd() if _qkernel is not None else "unavailable"
 
 
@@ -129,29 +129,50 @@ def _kernel_args(layer) -> tuple:
     return cached
 
 
+def _fp32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as a contiguous fp32 (rows, in_features) matrix (no copy when it already is one)."""
+    x2 = x.reshape(-1, in_features)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    return x2
+
+
+def _fp32_bias(layer) -> torch.Tensor | None:
+    bias = layer.bias
+    return bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+
+
+def _gemv(layers, x2: torch.Tensor) -> list[torch.Tensor]:
+    """x2 @ W^T for each layer, straight from the packed bytes, in one parallel region."""
+    first = layers[0]
+    outputs, mats = [], []
+    for layer in layers:
+        args, bias = _kernel_args(layer), _fp32_bias(layer)
+        y = torch.empty(x2.shape[0], layer.out_features)
+        outputs.append(y)
+        mats.append((y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0, layer.out_features))
+    _qkernel.gemm_many(x2.data_ptr(), x2.shape[0], first.in_features, first.scheme.bits,
+                       first.scheme.group_size or first.in_features, torch.get_num_threads(), mats)
+    return outputs
+
+
+def _like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], y.shape[1])
+
+
 def packed_linear(layer, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for a QuantLinear, by the fastest path available for x's device."""
     if x.device.type != "cpu" or not kernel_available():
         if x.device.type == "cpu":
             _warn_once()
         return reference_linear(layer, x)
-    args = _kernel_args(layer)
-    rows = x.numel() // layer.in_features
-    x2 = x.reshape(rows, layer.in_features)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    bias = layer.bias
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    if rows > GEMV_MAX_ROWS:
-        y = _dequantize_matmul(layer, x2, bias)
+    x2 = _fp32_rows(x, layer.in_features)
+    if x2.shape[0] > GEMV_MAX_ROWS:
+        _check_buffers(layer)
+        y = _dequantize_matmul(layer, x2, _fp32_bias(layer))
     else:
-        y = torch.empty(rows, layer.out_features)
-        _qkernel.gemm(x2.data_ptr(), rows, y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0,
-                      *args[3:], torch.get_num_threads())
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
-    return y.view(*x.shape[:-1], layer.out_features)
+        (y,) = _gemv([layer], x2)
+    return _like_input(y, x)
 
 
 def packed_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
@@ -167,21 +188,7 @@ def packed_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
                  and all(layer.in_features == first.in_features and layer.scheme == first.scheme for layer in layers))
     if not shareable:
         return [layer(x) for layer in layers]
-    x2 = x.reshape(rows, first.in_features)
-    if x2.dtype != torch.float32 or not x2.is_contiguous():
-        x2 = x2.to(torch.float32).contiguous()
-    outputs, mats = [], []
-    for layer in layers:
-        args = _kernel_args(layer)
-        bias = layer.bias
-        if bias is not None and bias.dtype != torch.float32:
-            bias = bias.float()
-        y = torch.empty(rows, layer.out_features)
-        outputs.append(y)
-        mats.append((y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0, layer.out_features))
-    _qkernel.gemm_many(x2.data_ptr(), rows, first.in_features, first.scheme.bits,
-                       first.scheme.group_size or first.in_features, torch.get_num_threads(), mats)
-    return [(y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], y.shape[1]) for y in outputs]
+    return [_like_input(y, x) for y in _gemv(layers, _fp32_rows(x, first.in_features))]
 
 
 def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,17 @@ class QuantLinear(nn.Module):
             layer.bias.data = bias.detach().clone()
         return layer
 
-    def to_quantized(self) -> QuantizedWeight:
+    def to_quantized(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
+        """The unpacked weight, or only the output rows indexed by `rows`."""
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        scales = pick(self.scales)
         groups = self.scheme.num_groups(self.in_features)
         if self.scheme.symmetric:
-            zeros = torch.full((self.out_features, groups), float(2 ** (self.scheme.bits - 1)),
-                           device=self.scales.device)
+            zeros = torch.full((scales.shape[0], groups), float(2 ** (self.scheme.bits - 1)), device=scales.device)
         else:
-            zeros = unpack_codes(self.qzeros, self.scheme.bits, groups).float()
-        codes = unpack_codes(self.qweight, self.scheme.bits, self.in_features)
-        return QuantizedWeight(codes, self.scales.float(), zeros, self.scheme)
+            zeros = unpack_codes(pick(self.qzeros), self.scheme.bits, groups).float()
+        codes = unpack_codes(pick(self.qweight), self.scheme.bits, self.in_features)
+        return QuantizedWeight(codes, scales.float(), zeros, self.scheme)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.to_quantized().dequantize(dtype)
@@ -90,11 +92,8 @@ class QuantEmbedding(QuantLinear):
     """
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        flat = input_ids.reshape(-1)
-        zeros = self.qzeros[flat] if self.qzeros is not None else None
-        rows = QuantLinear(self.in_features, flat.numel(), self.scheme).to(self.scales.device)
-        rows.qweight, rows.scales, rows.qzeros = self.qweight[flat], self.scales[flat], zeros
-        return rows.dequantized_weight().reshape(*input_ids.shape, self.in_features)
+        rows = self.to_quantized(input_ids.reshape(-1)).dequantize()
+        return rows.reshape(*input_ids.shape, self.in_features)
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)
