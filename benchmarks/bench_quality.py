@@ -36,7 +36,7 @@ from paperback.loading import load_model
 from paperback.quantization import GPTQConfig, QuantScheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
-from paperback.quantization.model_pass import QuantizeConfig, parse_targets, quantize_model
+from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, parse_targets, quantize_model
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_SCHEMES = ["W8s-ch", "W4a-g64", "W4a-g128", "W3a-g64", "W3a-g128", "W2a-g64"]
@@ -112,6 +112,8 @@ def run() -> int:
                 cell = {"method": method, "scheme": label, "targets": args.targets,
                         "bits_per_weight": bits_per_weight(quantized), "quantize_seconds": seconds,
                         "aligned_with_source": aligned_with_source(scheme)}
+                if method == "gptq":  # calibration forwards in bf16 where native (see QuantizeConfig)
+                    cell["forward_dtype"] = "bf16" if autocast_dtype(config, torch.device("cpu")) else "fp32"
                 for name, tokens in texts.items():
                     r = evaluate(model, tokens, args.context, None, reference, args.windows, dataset=name,
                                  bos_token_id=bos, reference_cache=cache)

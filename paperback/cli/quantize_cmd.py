@@ -32,6 +32,9 @@ def register(sub) -> None:
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on)")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
+    p.add_argument("--forward-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="GPTQ: precision of the calibration forwards' matmuls; auto = bf16 where the hardware has "
+                        "native bf16 (AVX512-BF16, CUDA), else fp32. Hessians and updates stay fp32/fp64")
     p.add_argument("--awq-samples", type=int, default=32,
                    help="AWQ: calibration sequences its scale and clip searches run on (default 32)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-clipping search")
@@ -51,14 +54,14 @@ def run(args: argparse.Namespace) -> int:
     from paperback.quantization.awq import AWQConfig
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
     from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
-    from paperback.quantization.model_pass import QuantizeConfig, parse_targets, quantize_model
+    from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, parse_targets, quantize_model
 
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
     awq = AWQConfig(clip=not args.no_clip, search_samples=args.awq_samples)
     config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order), awq,
-                            parse_targets(args.targets))
+                            parse_targets(args.targets), forward_dtype=args.forward_dtype)
     # AWQ searches on fewer sequences; the recipe records what was used.
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
     calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         "source_model": str(lm.source.path),
         "method": args.method,
         "scheme": scheme.to_dict(),
-        "gptq": asdict(config.gptq) if args.method == "gptq" else None,
+        "gptq": {**asdict(config.gptq), "forward_dtype": "bf16" if autocast_dtype(config, lm.model.output_weight().device) else "fp32"} if args.method == "gptq" else None,
         "awq": config.awq.to_dict() if args.method == "awq" else None,
         "modules": list(config.targets),
         "calibration": calib_cfg.to_dict() if args.method != "rtn" else None,

@@ -8,6 +8,7 @@ checkpoint must reproduce) and the quantized tensors are returned by name.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -60,13 +61,35 @@ class QuantizeConfig:
     awq: AWQConfig = field(default_factory=AWQConfig)
     targets: tuple[str, ...] = BLOCK_LINEARS
     calibration_batch_size: int = 8
+    # Precision of the calibration forwards' matmuls: "auto" is bf16 where the hardware
+    # multiplies bf16 natively (CUDA, AVX512-BF16 CPUs), else fp32. Hessians, scales and
+    # GPTQ's column updates always run in fp32/fp64.
+    forward_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.forward_dtype not in ("auto", "fp32", "bf16"):
+            raise PaperbackError(f"forward dtype must be auto, fp32 or bf16, not '{self.forward_dtype}'")
         if self.method not in METHODS:
             raise PaperbackError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
         unknown = set(self.targets) - set(BLOCK_LINEARS) - set(EDGE_TARGETS)
         if unknown:
             raise PaperbackError(f"unknown target modules: {', '.join(sorted(unknown))}")
+
+
+def autocast_dtype(config: QuantizeConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype calibration forwards autocast to, or None for full precision."""
+    if config.forward_dtype == "fp32":
+        return None
+    if config.forward_dtype == "bf16":
+        return torch.bfloat16
+    native = device.type == "cuda" or (device.type == "cpu" and torch.cpu._is_avx512_bf16_supported())
+    return torch.bfloat16 if native else None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    # Autocast runs the matmuls and attention in bf16 but keeps the residual stream and norms
+    # in the model's dtype, so quantization noise, not bf16 rounding, dominates what each block sees.
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
 
 
 def _targets(layer: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
@@ -134,6 +157,8 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         return results
     batches = list(calibration.split(config.calibration_batch_size))
     dtype = model.dtype
+    device = model.model.embed_tokens.weight.device
+    low = autocast_dtype(config, device)
     positions = torch.arange(calibration.shape[1])
     hidden = [model.embed(b) for b in batches]
     for idx, layer in enumerate(layers):
@@ -141,12 +166,14 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         targets = _targets(layer, config)
         # One accumulator per distinct input, hooked on the module that reads it.
         readers = {INPUT_OF.get(name, name) for name in targets}
-        accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in readers}
+        accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features)
+                        for name in readers}
         hooks = [layer.get_submodule(name).register_forward_pre_hook(
                      lambda _m, args, acc=acc: acc.add_batch(args[0])) for name, acc in accumulators.items()]
         try:
-            for x in hidden:
-                layer(x, cos, sin, 0, None)
+            with _autocast(device, low):
+                for x in hidden:
+                    layer(x, cos, sin, 0, None)
         finally:
             for h in hooks:
                 h.remove()
@@ -154,7 +181,8 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
             q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H, config.scheme, config.gptq)
             _set_weight(module, q)
             results[f"model.layers.{idx}.{name}.weight"] = q
-        hidden = [layer(x, cos, sin, 0, None) for x in hidden]  # inputs of the next block, post-quantization
+        with _autocast(device, low):  # inputs of the next block, post-quantization
+            hidden = [layer(x, cos, sin, 0, None).to(dtype) for x in hidden]
         bar.update()
     bar.close()
     head_hessian = None

@@ -45,7 +45,25 @@ def test_gptq_pass_tracks_the_model_better_than_rtn(tmp_path):
     assert errors["gptq"] < 0.8 * errors["rtn"]
 
 
+def test_bf16_calibration_forwards_quantize_as_well_as_fp32(tmp_path):
+    """Autocast forwards change the Hessians by bf16 rounding only: the result tracks the model as well."""
+    ref = tiny(tmp_path)
+    torch.manual_seed(0)
+    calib = torch.randint(0, 512, (16, 64))
+    held_out = torch.randint(0, 512, (4, 64))
+    errors = {}
+    for dtype in ("fp32", "bf16"):
+        lm = tiny(tmp_path)
+        quantize_model(lm.model, QuantizeConfig("gptq", QuantScheme(3, 32), forward_dtype=dtype),
+                       calibration=calib, progress=False)
+        assert lm.model.dtype == torch.float32  # the model itself is left in fp32
+        errors[dtype] = logits_error(lm, ref, held_out)
+    assert errors["bf16"] < 1.1 * errors["fp32"]
+
+
 def test_config_errors(tmp_path):
+    with pytest.raises(PaperbackError, match="forward dtype"):
+        QuantizeConfig(forward_dtype="fp8")
     with pytest.raises(PaperbackError, match="unknown method"):
         QuantizeConfig("spqr")
     with pytest.raises(PaperbackError, match="unknown target"):
