@@ -41,6 +41,15 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name,
                                                  torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name)
+    # The GGUF weights were dequantized to fp32 on load: this is the full-precision model, so drop
+    # the GGUF marker that oneshot refuses. oneshot also re-reads config.json from name_or_path,
+    # which a GGUF's folder lacks.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    stage = args.out.with_name(args.out.name + "-config")
+    model.config.save_pretrained(stage)
+    model.config.name_or_path = str(stage)
     ids = np.load(args.calib, allow_pickle=False)
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist()})
     strategy = "channel" if args.group_size == 0 else "group"

@@ -9,19 +9,24 @@ For models that expect a BOS token, every window starts with one (it replaces
 the window's first token, which is never scored), as llama-perplexity does.
 Logits are produced a slice of positions at a time, so a 262k vocabulary at
 2048 positions never needs gigabytes at once.
+
+With a KV cache factory, each window is fed in chunks through a fresh cache,
+so every token is scored with the earlier tokens read back from the cache as
+it stores them (a quantized KV format), not from the exact keys and values.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from paperback.errors import DatasetError, PaperbackError
 from paperback.models import DecoderLM
+from paperback.models.blocks import KVCache
 
 LOGIT_CHUNK = 256  # positions per logits slice
 
@@ -69,6 +74,9 @@ class EvalResult:
     reference_perplexity: float | None = None
     kl_divergence: float | None = None
     top1_agreement: float | None = None
+    # With per_position: mean NLL and KL at each position of the window (index i scores token i + 1)
+    position_nll: list[float] = field(default_factory=list)
+    position_kl: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,13 +100,24 @@ def evaluate(
     progress: bool = True,
     bos_token_id: int | None = None,
     reference_cache: dict | None = None,
+    kv_cache: Callable[[int], KVCache] | None = None,
+    chunk: int = 32,
+    per_position: bool = False,
 ) -> EvalResult:
     """Perplexity of `model` (and KL(reference || model), top-1 agreement) over windows.
 
     KL is the mean over scored positions of sum_v p_ref(v) (log p_ref(v) - log p(v)).
     reference_cache: a dict kept across calls that stores the reference's
     hidden states per window, so comparing many models runs the reference once.
+    kv_cache: makes a cache for a window of n tokens; the window is then fed
+    `chunk` tokens at a time through it. Without a reference, the same model
+    without a cache (exact attention) is the reference, so KL measures the cache.
+    per_position: also report mean NLL and KL by position in the window.
     """
+    if kv_cache is not None and reference is None:
+        reference = model
+    if chunk < 1:
+        raise PaperbackError("chunk must be at least 1 token")
     limit = model.config.max_position_embeddings
     if context > limit:
         raise PaperbackError(f"context {context} exceeds the model's {limit} positions")
@@ -106,6 +125,9 @@ def evaluate(
     ids = torch.tensor(tokens, dtype=torch.long)
     nll_sum = ref_nll_sum = kl_sum = 0.0
     agree = scored = 0
+    pos_nll = torch.zeros(context, dtype=torch.float64)
+    pos_kl = torch.zeros(context, dtype=torch.float64)
+    pos_count = torch.zeros(context, dtype=torch.float64)
     for w in tqdm(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
                   disable=None if progress else True, leave=False):
         window_ids = ids[w.start:w.end][None].clone()
@@ -114,7 +136,12 @@ def evaluate(
         # Position i predicts token i + 1; score predictions of tokens [score_from, end).
         first = w.score_from - w.start - 1
         targets = ids[w.score_from:w.end]
-        hidden = model.hidden_states(window_ids)[0, first:-1]
+        if kv_cache is None:
+            hidden = model.hidden_states(window_ids)[0, first:-1]
+        else:
+            cache = kv_cache(window_ids.shape[1])
+            hidden = torch.cat([model.hidden_states(window_ids[:, lo:lo + chunk], lo, cache)
+                                for lo in range(0, window_ids.shape[1], chunk)], dim=1)[0, first:-1]
         ref_hidden = None
         if reference is not None:
             key = (dataset, len(tokens), w.start, w.end, w.score_from, bos_token_id)
@@ -129,11 +156,17 @@ def evaluate(
         for logp in _log_probs(model, hidden):
             n = logp.shape[0]
             tgt = targets[offset:offset + n]
-            nll_sum += -logp.gather(1, tgt[:, None]).sum().item()
+            nll = -logp.gather(1, tgt[:, None])[:, 0]
+            nll_sum += nll.sum().item()
+            positions = slice(first + offset, first + offset + n)
+            pos_nll[positions] += nll.double()
+            pos_count[positions] += 1
             if ref_chunks is not None:
                 ref_logp = next(ref_chunks)
                 ref_nll_sum += -ref_logp.gather(1, tgt[:, None]).sum().item()
-                kl_sum += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+                kl_sum += kl.sum().item()
+                pos_kl[positions] += kl.double()
                 agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
             offset += n
         scored += len(targets)
@@ -142,4 +175,9 @@ def evaluate(
         result.reference_perplexity = math.exp(ref_nll_sum / scored)
         result.kl_divergence = kl_sum / scored
         result.top1_agreement = agree / scored
+    if per_position:
+        seen = pos_count > 0
+        result.position_nll = torch.where(seen, pos_nll / pos_count.clamp(min=1), torch.nan).tolist()
+        if reference is not None:
+            result.position_kl = torch.where(seen, pos_kl / pos_count.clamp(min=1), torch.nan).tolist()
     return result

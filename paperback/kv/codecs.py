@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paperback.errors import PaperbackError
-from paperback.quantization.packing import pack_codes, unpack_codes
+from paperback.quantization.packing import pack_codes, packed_row_bytes, unpack_codes
 
 Fields = dict[str, torch.Tensor]
 PARAM_DTYPE = torch.float16  # scales and minimums
@@ -151,7 +151,7 @@ class TokenIntCodec(KVCodec):
         return (codes * scale.float()[..., None] + mn.float()[..., None]).flatten(-2).to(dtype)
 
     def bits_per_element(self, head_dim):
-        return self.bits + 2 * PARAM_BITS / self.group
+        return 8 * packed_row_bytes(head_dim, self.bits) / head_dim + 2 * PARAM_BITS / self.group
 
 
 class ChannelIntCodec(KVCodec):
@@ -179,7 +179,7 @@ class ChannelIntCodec(KVCodec):
         return (g * scale.float()[..., None, :] + mn.float()[..., None, :]).flatten(-3, -2).to(dtype)
 
     def bits_per_element(self, head_dim):
-        return self.bits + 2 * PARAM_BITS / self.token_group
+        return 8 * packed_row_bytes(head_dim, self.bits) / head_dim + 2 * PARAM_BITS / self.token_group
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,8 @@ class PairMixCodec(KVCodec):
     """
 
     def __init__(self, high_bits: int, low_bits: int, top_pairs: int, tokens: int):
+        if top_pairs < 1:
+            raise PaperbackError(f"PN-Mix keeps at least one RoPE pair at high precision, not {top_pairs}")
         self.high = ChannelIntCodec(high_bits, tokens)
         self.low = ChannelIntCodec(low_bits, tokens)
         self.top_pairs = top_pairs
@@ -230,9 +232,9 @@ class PairMixCodec(KVCodec):
         self.selection: PairSelection | None = None
 
     def check_head_dim(self, head_dim):
-        if head_dim % 2 or self.top_pairs > head_dim // 2:
-            raise PaperbackError(f"PN-Mix keeps {self.top_pairs} RoPE pairs; a head of {head_dim} channels has "
-                                 f"{head_dim // 2}")
+        if head_dim % 2 or self.top_pairs >= head_dim // 2:
+            raise PaperbackError(f"PN-Mix keeps {self.top_pairs} RoPE pairs at high precision; a head of {head_dim} "
+                                 f"channels has {head_dim // 2} pairs, and some must stay low")
 
     def select(self, q: torch.Tensor, k: torch.Tensor) -> None:
         self.selection = rank_rope_pairs(q, k, self.top_pairs)
@@ -270,9 +272,10 @@ class PairMixCodec(KVCodec):
         return out
 
     def bits_per_element(self, head_dim):
-        n_high = 2 * self.top_pairs
-        return (n_high * self.high.bits_per_element(head_dim)
-                + (head_dim - n_high) * self.low.bits_per_element(head_dim)) / head_dim
+        n_high, n_low = 2 * self.top_pairs, head_dim - 2 * self.top_pairs
+        high = n_high * self.high.bits_per_element(n_high) if n_high else 0.0
+        low = n_low * self.low.bits_per_element(n_low) if n_low else 0.0
+        return (high + low) / head_dim
 
     def code_bits(self, head_dim: int) -> float:
         """Average bits of the codes alone (the figure the PN-Mix paper quotes)."""

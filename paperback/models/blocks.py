@@ -17,7 +17,12 @@ from paperback.models.layers import RMSNorm, RotaryEmbedding, apply_rope, attend
 
 
 class KVCache(Protocol):
-    """What a model needs from a cache: store new keys/values, return all of them."""
+    """What a model needs from a cache: store new keys/values, return all of them.
+
+    A cache may also define `observe(layer_idx, q, k)`, called with each
+    chunk's rotated queries and keys before `update` (PN-Mix ranks key
+    channels by query and key norms at prefill).
+    """
 
     def update(
         self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
@@ -64,6 +69,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
+            observe = getattr(kv_cache, "observe", None)
+            if observe is not None:
+                observe(self.layer_idx, q, k)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
         out = attend(q, k, v, start_pos, self.scaling, self.window)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -1,0 +1,147 @@
+"""Named KV cache schemes: which codec stores keys, which stores values, and how many recent tokens stay exact.
+
+A spec is a name with optional settings, `name[:key=value,...]`:
+
+    fp16, bf16                   the baseline, stored as is
+    fp8, fp8-e4m3, fp8-e5m2      scale=1 (vLLM's default) | calibrated; per_head=0|1
+    int8, int4, int2             per token, groups of g channels (default 32), r recent tokens exact (default 128)
+    kivi2, kivi4                 keys per channel in groups of g tokens, values per token in groups of
+                                 vg channels; r recent tokens exact (defaults g=32, vg=32, r=128)
+    pnmix                        KIVI's layout with the top RoPE pairs of each key head at hi bits, the
+                                 rest at lo bits (defaults hi=4, lo=2, top=4, g=32, vg=32, vbits=2, r=128)
+
+`r` recent tokens stay in full precision; older ones are encoded in whole
+groups (`flush_group`) as the recent window slides past them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from paperback.errors import PaperbackError
+from paperback.kv.calibrate import fp8_scale
+from paperback.kv.codecs import ChannelIntCodec, FP8Codec, KVCodec, NativeCodec, PairMixCodec, TokenIntCodec
+
+NATIVE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FAMILIES = ("native", "fp8", "int", "kivi", "pnmix")
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    family: str  # native | fp8 | int | kivi | pnmix
+    bits: int = 16  # code bits (for pnmix: the low bits of keys)
+    dtype: str = "fp16"  # native: fp16 / bf16 / fp32; fp8: e4m3 / e5m2
+    channel_group: int = 32  # channels per group, per-token codecs (int: both; kivi/pnmix: values)
+    token_group: int = 32  # tokens per group, per-channel key codecs (kivi, pnmix)
+    residual: int = 0  # most recent tokens kept in full precision
+    scale: str = "1"  # fp8: "1" or "calibrated"
+    per_head: bool = False  # fp8: one scale per KV head instead of per layer
+    high_bits: int = 4  # pnmix: bits of the chosen key pairs
+    top_pairs: int = 4  # pnmix: RoPE pairs per key head at high_bits
+    value_bits: int = 2  # pnmix: bits of the values
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise PaperbackError(f"unknown KV family '{self.family}'")
+        if self.residual < 0:
+            raise PaperbackError(f"the recent window must be >= 0 tokens, got {self.residual}")
+        if self.family == "fp8" and self.scale not in ("1", "calibrated"):
+            raise PaperbackError(f"FP8 scale must be 1 or calibrated, not '{self.scale}'")
+        # Build the codecs once so bad bits or groups fail here, before any work.
+        self.codecs()
+
+    @property
+    def label(self) -> str:
+        if self.family == "native":
+            return self.dtype
+        if self.family == "fp8":
+            return f"fp8-{self.dtype}" + ("-cal" if self.scale == "calibrated" else "")
+        if self.family == "int":
+            return f"int{self.bits}"
+        if self.family == "kivi":
+            return f"kivi{self.bits}"
+        return f"pnmix{self.high_bits}/{self.bits}x{self.top_pairs}"
+
+    @property
+    def is_native(self) -> bool:
+        return self.family == "native"
+
+    def codecs(self, amax: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[KVCodec, KVCodec]:
+        """(key codec, value codec). Calibrated FP8 takes this layer's (key, value) amax per KV head."""
+        if self.family == "native":
+            return NativeCodec(NATIVE[self.dtype]), NativeCodec(NATIVE[self.dtype])
+        if self.family == "fp8":
+            if self.scale == "1" or amax is None:
+                return FP8Codec(self.dtype, 1.0), FP8Codec(self.dtype, 1.0)
+            return tuple(FP8Codec(self.dtype, fp8_scale(a, self.dtype, self.per_head)) for a in amax)
+        if self.family == "int":
+            return TokenIntCodec(self.bits, self.channel_group), TokenIntCodec(self.bits, self.channel_group)
+        if self.family == "kivi":
+            return ChannelIntCodec(self.bits, self.token_group), TokenIntCodec(self.bits, self.channel_group)
+        return (PairMixCodec(self.high_bits, self.bits, self.top_pairs, self.token_group),
+                TokenIntCodec(self.value_bits, self.channel_group))
+
+    @property
+    def flush_group(self) -> int:
+        """Tokens leave the recent window in multiples of this (whole key and value groups)."""
+        key, value = self.codecs()
+        return math.lcm(key.token_group, value.token_group)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        for codec in self.codecs():
+            codec.check_head_dim(head_dim)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Steady-state stored bits per cached element, keys and values averaged (recent window not counted)."""
+        key, value = self.codecs()
+        return (key.bits_per_element(head_dim) + value.bits_per_element(head_dim)) / 2
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, **asdict(self)}
+
+
+# name -> (family, defaults)
+_NAMED = {
+    "fp16": ("native", {"dtype": "fp16"}),
+    "bf16": ("native", {"dtype": "bf16"}),
+    "fp32": ("native", {"dtype": "fp32"}),
+    "fp8": ("fp8", {"dtype": "e4m3", "bits": 8}),
+    "fp8-e4m3": ("fp8", {"dtype": "e4m3", "bits": 8}),
+    "fp8-e5m2": ("fp8", {"dtype": "e5m2", "bits": 8}),
+    "int8": ("int", {"bits": 8, "channel_group": 32, "residual": 128}),
+    "int4": ("int", {"bits": 4, "channel_group": 32, "residual": 128}),
+    "int2": ("int", {"bits": 2, "channel_group": 32, "residual": 128}),
+    "kivi2": ("kivi", {"bits": 2, "channel_group": 32, "token_group": 32, "residual": 128}),
+    "kivi4": ("kivi", {"bits": 4, "channel_group": 32, "token_group": 32, "residual": 128}),
+    "pnmix": ("pnmix", {"bits": 2, "channel_group": 32, "token_group": 32, "residual": 128}),
+}
+# Setting names in specs -> dataclass fields, with their parsers.
+_SETTINGS = {
+    "g": ("token_group", int), "vg": ("channel_group", int), "r": ("residual", int), "bits": ("bits", int),
+    "lo": ("bits", int), "hi": ("high_bits", int), "top": ("top_pairs", int), "vbits": ("value_bits", int),
+    "scale": ("scale", str), "per_head": ("per_head", lambda v: v in ("1", "true", "yes")),
+}
+
+
+def parse_kv_scheme(spec: str) -> KVScheme:
+    """'kivi2', 'int4:vg=32,r=64', 'fp8-e5m2:scale=calibrated', 'pnmix:hi=8,lo=1,top=6' -> KVScheme."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in _NAMED:
+        raise PaperbackError(f"unknown KV format '{name}' (choose from {', '.join(_NAMED)})")
+    family, fields = _NAMED[name]
+    fields = dict(fields)
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in _SETTINGS:
+            raise PaperbackError(f"bad KV setting '{item}' in '{spec}' (settings: {', '.join(_SETTINGS)})")
+        field_name, parse = _SETTINGS[key]
+        if family == "int" and key == "g":  # per-token formats group channels, not tokens
+            field_name = "channel_group"
+        try:
+            fields[field_name] = parse(value)
+        except ValueError:
+            raise PaperbackError(f"bad value '{value}' for KV setting '{key}'") from None
+    return KVScheme(family, **fields)
