@@ -53,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
     datasets = args.data or ["wikitext2"]
     texts = {name: load_text(name) for name in datasets}  # fail on a bad name before loading models
+    if args.kv is not None:
+        from paperback.kv import parse_kv_scheme
+
+        parse_kv_scheme(args.kv)  # a bad format name or setting fails before loading too
     lm = load_model(args.model, args.dtype)
     ref = load_model(args.reference, args.reference_dtype, with_tokenizer=False) if args.reference else None
     kv_factory, kv_meta = _kv_setup(args, lm)

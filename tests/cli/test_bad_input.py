@@ -130,3 +130,15 @@ def test_quantize_calibration_text_too_short(tmp_path, capsys):
 def test_quantize_bad_settings_fail_before_any_work(tmp_path, capsys, argv, message):
     assert message in run_cli(capsys, "quantize", "smollm2", *argv, "-o", str(tmp_path / "q"))
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv", "nf4"], "unknown KV format 'nf4'"),
+    (["--kv", "int4:bits=9"], "unsupported KV bits 9"),
+    (["--kv", "int4:g=48"], "channel group 48 does not divide the head dimension 64"),
+    (["--kv", "kivi2", "--kv-skip-layers", "31"], "names layer 31, but the model has 30 layers"),
+    (["--kv", "kivi2", "--kv-skip-layers", "global"], "no sliding-window layers"),
+    (["--kv-policy", "missing.json"], "does not exist"),
+])
+def test_eval_bad_kv_settings(capsys, argv, message):
+    assert message in run_cli(capsys, "eval", "smollm2", *argv, "--max-windows", "1")
