@@ -40,7 +40,8 @@ from paperback.quantization.calibration import CalibrationConfig, calibration_ba
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = ["fp16", "bf16", "fp8-e4m3", "fp8-e4m3:scale=calibrated", "fp8-e5m2", "fp8-e5m2:scale=calibrated",
-           "int8", "int4", "kivi4", "kivi2", "pnmix", "pnmix:lo=1,top=8"]
+           "int8", "int4", "kivi4", "kivi2", "pnmix", "pnmix:lo=1,top=8", "kivi2:g=16"]
+# A format may name layers kept at fp16 after a bar: "kivi2|skip=global" (Gemma 3's full-attention layers).
 # Within each family, settings from many bits to few (the x axis of the breakdown plot).
 SWEEP = {
     "int": ["int4:bits=8", "int4", "int4:bits=3", "int2", "int2:bits=1"],
@@ -72,7 +73,8 @@ class Bench:
         self.out.write_text(json.dumps(self.report, indent=2))
 
     def factory(self, spec: str):
-        policy = build_policy(self.model.config, spec)
+        fmt, _, skip = spec.partition("|skip=")
+        policy = build_policy(self.model.config, fmt, skip or None)
         amax = None
         if policy.needs_fp8_calibration(self.model.config.num_layers):
             if self._amax is None:  # pydoc, never the evaluation text
@@ -87,8 +89,8 @@ class Bench:
         r = evaluate(self.model, self.tokens, context, None, None, windows, dataset="wikitext2",
                      bos_token_id=self.bos, reference_cache=self.reference_cache, kv_cache=factory,
                      chunk=self.args.chunk, per_position=per_position)
-        cell = {"format": spec, "label": policy.default.label, "context": context, "windows": windows,
-                "bits_per_element": policy.default.bits_per_element(self.model.config.head_dim),
+        cell = {"format": spec, "label": policy.label, "context": context, "windows": windows,
+                "bits_per_element": policy.bits_per_element(self.model.config),
                 "bits_at_context": policy.bits_at(self.model.config, context),
                 "perplexity": r.perplexity, "reference_perplexity": r.reference_perplexity,
                 "kl": r.kl_divergence, "top1": r.top1_agreement, "seconds": time.perf_counter() - start}

@@ -42,6 +42,11 @@ class KVPolicy:
     def needs_fp8_calibration(self, num_layers: int) -> bool:
         return any(s.family == "fp8" and s.scale == "calibrated" for s in map(self.scheme_for, range(num_layers)))
 
+    def bits_per_element(self, config: ModelConfig) -> float:
+        """Steady-state stored bits per cached element (recent window not counted), averaged over layers."""
+        return sum(self.scheme_for(i).bits_per_element(config.head_dim)
+                   for i in range(config.num_layers)) / config.num_layers
+
     def bits_at(self, config: ModelConfig, tokens: int, recent_bits: int = 16) -> float:
         """Stored bits per cached element after `tokens` tokens, averaged over layers.
 

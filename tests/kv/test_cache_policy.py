@@ -84,6 +84,7 @@ def test_policy_bits_at_a_context_match_the_cache(tiny_llama):
     assert policy.bits_at(tiny_llama.config, 250) == pytest.approx(cache.bits_per_element())
     # 96 of 250 tokens encoded at 3 bits, the rest at 16; layer 1 all at 16.
     assert policy.bits_at(tiny_llama.config, 250) == pytest.approx(((96 * 3 + 154 * 16) / 250 + 16) / 2)
+    assert policy.bits_per_element(tiny_llama.config) == pytest.approx((3 + 16) / 2)
 
 
 def test_quantized_cache_changes_logits_only_a_little(tiny_llama):
