@@ -105,10 +105,10 @@ class QuantizedKVCache:
             self.layers.append(LayerStore(scheme, codecs, shape, dtype, device))
 
     def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Queries and keys of a layer's first chunk (the prefill): PN-Mix picks its key pairs once, here."""
+        """Each chunk's rotated queries and keys: PN-Mix ranks key pairs on those seen before its first encode."""
         codec = self.layers[layer_idx].key_codec
-        if isinstance(codec, PairMixCodec) and codec.selection is None:
-            codec.select(q, k)
+        if isinstance(codec, PairMixCodec):
+            codec.observe(q, k)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         return self.layers[layer_idx].append(k, v, start_pos)

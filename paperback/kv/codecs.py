@@ -193,33 +193,42 @@ class PairSelection:
         return self.channels.shape[-1]
 
 
-def rank_rope_pairs(q: torch.Tensor, k: torch.Tensor, top_pairs: int) -> PairSelection:
-    """Choose each KV head's `top_pairs` RoPE pairs by |q pair| * |k pair|.
+def pair_norm_sums(x: torch.Tensor) -> torch.Tensor:
+    """(B, heads, T, D) -> (heads, D/2): per RoPE pair (channels j, j + D/2), |pair| summed over batch and tokens.
 
-    q (B, H, T, D), k (B, Hkv, T, D), half-split RoPE layout (pair j = channels j
-    and j + D/2). A pair's norm is unchanged by the rotation, so pre- or
-    post-RoPE tensors rank alike. Query heads sharing a KV head pool their norms.
+    A pair's norm is unchanged by the rotation, so pre- and post-RoPE tensors give the same sums.
     """
-    half = k.shape[-1] // 2
+    half = x.shape[-1] // 2
+    return torch.sqrt(x[..., :half].float() ** 2 + x[..., half:].float() ** 2).sum(dim=(0, 2))
+
+
+def select_pairs(query_norms: torch.Tensor, key_norms: torch.Tensor, top_pairs: int) -> PairSelection:
+    """Each KV head's `top_pairs` pairs by mean |q pair| x mean |k pair|.
+
+    query_norms (H, D/2), key_norms (Hkv, D/2): mean pair norms; query heads
+    sharing a KV head pool theirs.
+    """
+    kv_heads, half = key_norms.shape
     if not 0 <= top_pairs <= half:
         raise PaperbackError(f"PN-Mix keeps 0..{half} of {half} RoPE pairs, not {top_pairs}")
-
-    def pair_norms(x):  # (B, heads, T, D) -> (heads, D/2), mean over batch and tokens
-        return torch.sqrt(x[..., :half].float() ** 2 + x[..., half:].float() ** 2).mean(dim=(0, 2))
-
-    kv_heads = k.shape[1]
-    q_norms = pair_norms(q).unflatten(0, (kv_heads, -1)).mean(1)
-    score = q_norms * pair_norms(k)  # (Hkv, D/2)
+    score = query_norms.unflatten(0, (kv_heads, -1)).mean(1) * key_norms
     pairs = torch.topk(score, top_pairs, dim=-1).indices
-    channels = torch.cat((pairs, pairs + half), dim=-1)
-    return PairSelection(torch.sort(channels, dim=-1).values)
+    return PairSelection(torch.sort(torch.cat((pairs, pairs + half), dim=-1), dim=-1).values)
+
+
+def rank_rope_pairs(q: torch.Tensor, k: torch.Tensor, top_pairs: int) -> PairSelection:
+    """select_pairs from q (B, H, T, D) and k (B, Hkv, T, D) directly (half-split RoPE layout)."""
+    tokens = q.shape[0] * q.shape[2]
+    return select_pairs(pair_norm_sums(q) / tokens, pair_norm_sums(k) / tokens, top_pairs)
 
 
 class PairMixCodec(KVCodec):
     """PN-Mix keys: per channel in groups of `tokens` tokens, chosen RoPE pairs at `high_bits`, the rest at `low_bits`.
 
-    The selection is made once (at prefill, from queries and keys) and reused
-    for every later block; until then the codec cannot encode.
+    The selection is made once and reused for every later block: from the
+    query and key norms `observe` has summed when the first block is encoded
+    (everything the prompt showed before any key left the exact recent
+    window), or set directly with `select`.
     """
 
     def __init__(self, high_bits: int, low_bits: int, top_pairs: int, tokens: int):
@@ -230,6 +239,14 @@ class PairMixCodec(KVCodec):
         self.top_pairs = top_pairs
         self.token_group = tokens
         self.selection: PairSelection | None = None
+        self._norms: list[torch.Tensor] | None = None  # [query sums, key sums, tokens] until selection
+
+    def observe(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Add one chunk's queries (B, H, T, D) and keys (B, Hkv, T, D) to the norms the selection will use."""
+        if self.selection is not None:
+            return
+        sums = [pair_norm_sums(q), pair_norm_sums(k), q.shape[0] * q.shape[2]]
+        self._norms = sums if self._norms is None else [a + b for a, b in zip(self._norms, sums)]
 
     def check_head_dim(self, head_dim):
         if head_dim % 2 or self.top_pairs >= head_dim // 2:
@@ -240,6 +257,10 @@ class PairMixCodec(KVCodec):
         self.selection = rank_rope_pairs(q, k, self.top_pairs)
 
     def _split(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.selection is None and self._norms is not None:
+            q_sums, k_sums, tokens = self._norms
+            self.selection = select_pairs(q_sums / tokens, k_sums / tokens, self.top_pairs)
+            self._norms = None
         if self.selection is None:
             raise PaperbackError("PN-Mix needs its channel selection (made at prefill) before encoding")
         high = self.selection.channels

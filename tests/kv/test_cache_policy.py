@@ -109,13 +109,15 @@ def test_cache_refuses_gaps_and_overflow(tiny_llama):
         cache.update(0, torch.randn(1, 2, 60, 32), torch.randn(1, 2, 60, 32), 10)
 
 
-def test_pnmix_selects_once_at_prefill(tiny_llama):
-    cache = cache_for(tiny_llama, "pnmix:r=0")
-    ids = torch.randint(0, 256, (1, 96))
+def test_pnmix_selects_once_before_the_first_encode(tiny_llama):
+    cache = cache_for(tiny_llama, "pnmix:r=32")
+    ids = torch.randint(0, 256, (1, 160))
     with torch.no_grad():
-        tiny_llama(ids[:, :64], 0, cache)
+        tiny_llama(ids[:, :40], 0, cache)  # inside the recent window: nothing encoded, nothing chosen yet
+        assert all(store.key_codec.selection is None for store in cache.layers)
+        tiny_llama(ids[:, 40:70], 40, cache)  # 70 - 32 recent = 38 tokens: one group of 32 encoded
         chosen = [store.key_codec.selection.channels.clone() for store in cache.layers]
-        tiny_llama(ids[:, 64:], 64, cache)
+        tiny_llama(ids[:, 70:], 70, cache)
     for store, before in zip(cache.layers, chosen):
         assert torch.equal(store.key_codec.selection.channels, before)
         assert store.key_codec.selection.channels.shape == (2, 8)  # 4 pairs = 8 channels per KV head
