@@ -178,3 +178,17 @@ def test_gemma_global_and_sliding_selectors(tmp_path):
     kinds = [(cfg.window_of(i) is None, policy.scheme_for(i).label) for i in range(cfg.num_layers)]
     assert all(label == ("fp16" if is_global else "kivi2") for is_global, label in kinds)
     assert any(is_global for is_global, _ in kinds) and not all(is_global for is_global, _ in kinds)
+
+
+@pytest.mark.parametrize("spec", ["kivi2:r=16", "pnmix:r=16", "fp8"])
+def test_gemma_sliding_layers_read_their_window_from_the_cache(tmp_path, spec):
+    model = load_tiny(tmp_path, tiny_hf("gemma3"))
+    ids = torch.randint(0, 256, (1, 120))
+    with torch.no_grad():
+        ref = model(ids)
+        exact = cache_for(model, "fp32", max_len=120)
+        chunked = torch.cat([model(ids[:, lo:lo + 24], lo, exact) for lo in range(0, 120, 24)], dim=1)
+        lossy = cache_for(model, spec, max_len=120)
+        out = torch.cat([model(ids[:, lo:lo + 24], lo, lossy) for lo in range(0, 120, 24)], dim=1)
+    assert torch.allclose(chunked, ref, atol=1e-4)
+    assert 0 < (out - ref).abs().max() < ref.abs().max()
