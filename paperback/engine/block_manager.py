@@ -1,0 +1,244 @@
+"""The owner of every KV cache block: free queue, block tables, reference counts, prefix cache, copy-on-write.
+
+The cache is a pool of `num_blocks` fixed-size blocks of `block_size` token
+slots. A sequence's block table lists the physical blocks holding its tokens
+in order. Blocks are shared by reference count:
+
+- **Prefix caching.** A full block is identified by a hash of its tokens
+  chained to the hash of the block before it, so equal hashes mean equal
+  whole prefixes. A new sequence reuses every cached block of its longest
+  cached prefix instead of recomputing it.
+- **Free queue with eviction.** A block whose count drops to zero goes to the
+  back of the free queue but keeps its contents and hash, so a later request
+  can still hit it; allocation takes blocks from the front (least recently
+  freed) and only then forgets their hash (LRU eviction).
+- **Copy-on-write.** Forked sequences (parallel sampling, beams) share all
+  blocks; before one of them writes into a shared, partly filled block, it
+  gets a private copy and the manager reports the (source, destination) copy
+  for the runner to perform.
+
+Nothing else allocates cache memory; `check()` verifies every invariant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from paperback.errors import PaperbackError
+
+
+class NoFreeBlocks(PaperbackError):
+    """Not enough free blocks; the scheduler preempts or waits."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set once the block is full and registered in the prefix cache
+
+
+@dataclass
+class SequenceBlocks:
+    table: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose slots are allocated (and, once computed, written)
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks, in order
+
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"") -> bytes:
+    """Hash of a full block given its predecessor's hash: equal only for equal whole prefixes."""
+    h = hashlib.sha256(parent or b"root")
+    h.update(salt)
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True, salt: bytes = b""):
+        if num_blocks < 1 or block_size < 1:
+            raise PaperbackError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.salt = salt  # e.g. the KV policy, so caches of different formats never match
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with no owner, front evicted first; they keep contents and hash until taken.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.seqs: dict[int, SequenceBlocks] = {}
+        self.prefix_queries = 0  # full blocks looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # --- queries -----------------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.seqs[seq_id].table
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- allocation ----------------------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        if not self.free_queue:
+            raise NoFreeBlocks("no free KV blocks")
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached contents
+            del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise AssertionError(f"block {block_id} freed twice")
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None  # back of the queue: evicted last
+
+    def _block_hashes(self, tokens: list[int], parent: bytes | None = None, start_block: int = 0) -> list[bytes]:
+        hashes = []
+        for b in range(start_block, len(tokens) // self.block_size):
+            parent = chain_hash(parent, tuple(tokens[b * self.block_size:(b + 1) * self.block_size]), self.salt)
+            hashes.append(parent)
+        return hashes
+
+    def can_allocate(self, tokens: list[int]) -> bool:
+        """Whether allocate() would succeed now (cached prefix blocks cost nothing)."""
+        cached = self._cached_prefix(tokens)
+        reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(len(tokens)) - len(cached) <= self.num_free - reused_free
+
+    def _cached_prefix(self, tokens: list[int]) -> list[int]:
+        if not self.prefix_caching:
+            return []
+        # Never the whole prompt: its last token must be computed to produce logits.
+        full = (len(tokens) - 1) // self.block_size
+        found = []
+        for h in self._block_hashes(tokens[:full * self.block_size]):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(self, seq_id: int, tokens: list[int]) -> int:
+        """Blocks for a new sequence's prompt; returns how many leading tokens are already cached."""
+        if seq_id in self.seqs:
+            raise PaperbackError(f"sequence {seq_id} already has blocks")
+        if not tokens:
+            raise PaperbackError("cannot allocate an empty sequence")
+        cached = self._cached_prefix(tokens)
+        if not self.can_allocate(tokens):
+            raise NoFreeBlocks(f"{self.blocks_needed(len(tokens)) - len(cached)} blocks needed, {self.num_free} free")
+        seq = SequenceBlocks()
+        for block_id in cached:
+            self._ref(block_id)
+            seq.table.append(block_id)
+            seq.hashes.append(self.blocks[block_id].block_hash)
+        if self.prefix_caching:
+            self.prefix_queries += (len(tokens) - 1) // self.block_size
+            self.prefix_hits += len(cached)
+        while len(seq.table) < self.blocks_needed(len(tokens)):
+            seq.table.append(self._take_free())
+        seq.num_tokens = len(tokens)
+        self.seqs[seq_id] = seq
+        return len(cached) * self.block_size
+
+    def append_slots(self, seq_id: int, num_new: int = 1) -> list[tuple[int, int]]:
+        """Slots for `num_new` more tokens at the end of a sequence.
+
+        Returns the copies to perform first: (source block, destination block)
+        when the last block was shared and partly filled (copy-on-write).
+        """
+        seq = self.seqs[seq_id]
+        copies = []
+        last_filled = seq.num_tokens % self.block_size
+        if last_filled and self.blocks[seq.table[-1]].ref_count > 1:
+            need_new = 1 + self.blocks_needed(max(0, num_new - (self.block_size - last_filled)))
+        else:
+            need_new = self.blocks_needed(seq.num_tokens + num_new) - len(seq.table)
+        if need_new > self.num_free:
+            raise NoFreeBlocks(f"{need_new} blocks needed, {self.num_free} free")
+        if last_filled and self.blocks[seq.table[-1]].ref_count > 1:
+            src = seq.table[-1]
+            dst = self._take_free()
+            self._unref(src)
+            seq.table[-1] = dst
+            copies.append((src, dst))
+        seq.num_tokens += num_new
+        while len(seq.table) < self.blocks_needed(seq.num_tokens):
+            seq.table.append(self._take_free())
+        return copies
+
+    def commit(self, seq_id: int, tokens: list[int]) -> None:
+        """Register the sequence's newly full blocks in the prefix cache, once their KV is written.
+
+        tokens: every token of the sequence whose KV is now in the cache.
+        """
+        if not self.prefix_caching:
+            return
+        seq = self.seqs[seq_id]
+        full = min(len(tokens), seq.num_tokens) // self.block_size
+        parent = seq.hashes[-1] if seq.hashes else None
+        for h in self._block_hashes(tokens[:full * self.block_size], parent, len(seq.hashes)):
+            b = len(seq.hashes)
+            seq.hashes.append(h)
+            block = self.blocks[seq.table[b]]
+            if h in self.cached or block.block_hash is not None:
+                continue  # an equal block is cached already (or this one is): keep one copy
+            block.block_hash = h
+            self.cached[h] = block.block_id
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (n > 1 sampling, beam search)."""
+        if child_id in self.seqs:
+            raise PaperbackError(f"sequence {child_id} already has blocks")
+        parent = self.seqs[parent_id]
+        for block_id in parent.table:
+            self._ref(block_id)
+        self.seqs[child_id] = SequenceBlocks(list(parent.table), parent.num_tokens, list(parent.hashes))
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished, cancelled or preempted sequence's blocks (tail first, so it is evicted first)."""
+        seq = self.seqs.pop(seq_id)
+        for block_id in reversed(seq.table):
+            self._unref(block_id)
+
+    # --- invariants ------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise AssertionError when any bookkeeping is off (used by tests after random workloads)."""
+        refs = [0] * self.num_blocks
+        for seq in self.seqs.values():
+            assert len(seq.table) == self.blocks_needed(seq.num_tokens), "table length"
+            for block_id in seq.table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: count {block.ref_count}"
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}: free list"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) == block.block_id, "hash map"
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks), "stale hashes"
