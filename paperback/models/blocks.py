@@ -21,7 +21,9 @@ class KVCache(Protocol):
 
     A cache may also define `observe(layer_idx, q, k)`, called with each
     chunk's rotated queries and keys before `update` (PN-Mix ranks key
-    channels by query and key norms at prefill).
+    channels by query and key norms at prefill), or take over attention
+    entirely with `attention(layer_idx, q, k, v, scaling, window) -> out`
+    (the paged engine's step batch: several sequences packed in one row).
     """
 
     def update(
@@ -68,6 +70,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        paged = getattr(kv_cache, "attention", None)
+        if paged is not None:
+            out = paged(self.layer_idx, q, k, v, self.scaling, self.window)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if kv_cache is not None:
             observe = getattr(kv_cache, "observe", None)
             if observe is not None:
@@ -122,11 +128,13 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def hidden_states(
-        self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None
+        self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) at positions start_pos..; returns normed hidden (B, T, C)."""
+        """input_ids (B, T) at positions start_pos.. (or `positions` (T,), one per token) -> normed hidden (B, T, C)."""
         x = self.embed(input_ids)
-        positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
         tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for idx, layer in enumerate(self.model.layers):
             rotary = self.rotary_for(idx)
@@ -160,10 +168,10 @@ class DecoderLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None,
-        last_only: bool = False,
+        last_only: bool = False, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or (B, 1, V) for the last position when last_only."""
-        hidden = self.hidden_states(input_ids, start_pos, kv_cache)
+        hidden = self.hidden_states(input_ids, start_pos, kv_cache, positions)
         if last_only:
             hidden = hidden[:, -1:]
         return self.logits(hidden)
