@@ -20,8 +20,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # completions per prompt (the paged engine prefills once and forks)
 
     def __post_init__(self):
+        if self.n < 1:
+            raise PaperbackError("n must be at least 1")
         if self.max_tokens < 1:
             raise PaperbackError("max_tokens must be at least 1")
         if self.temperature < 0:

@@ -1,0 +1,226 @@
+"""The engine loop and the offline API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+One engine step: the scheduler picks sequences and token counts, the block
+manager's copy-on-write copies are applied, all new tokens run through the
+model packed in one row (`StepBatch`), each sequence whose step reached its
+last token samples the next one with its own generator, and sequences that
+hit EOS, a stop string or max_tokens finish and free their blocks. With
+`n > 1` the prompt is prefilled once and forked into n sequences that share
+its blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from paperback.engine.block_manager import BlockManager
+from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
+from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from paperback.errors import ContextLengthError, PaperbackError
+from paperback.generation.generate import IncrementalDetokenizer, _find_stop
+from paperback.generation.sampling import SamplingParams, make_generator, sample
+from paperback.memory import dtype_bytes
+
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    timings: dict = field(default_factory=dict)  # arrival-relative seconds: first_token, finished; preemptions
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: dict[int, IncrementalDetokenizer]
+    texts: dict[int, str]
+    forked: bool = False
+
+
+class LLMEngine:
+    def __init__(self, lm, kv: str = "fp32", kv_memory: int | None = None, num_blocks: int | None = None,
+                 block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig()):
+        if kv not in KV_DTYPES:
+            raise PaperbackError(f"the paged engine stores KV as {', '.join(KV_DTYPES)} so far, not '{kv}'")
+        self.lm, self.model, self.tokenizer = lm, lm.model, lm.tokenizer
+        config = self.model.config
+        dtype = KV_DTYPES[kv]
+        block_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype) * block_size
+        if num_blocks is None:
+            if kv_memory is None:
+                raise PaperbackError("give the KV cache a memory budget (kv_memory) or a number of blocks")
+            num_blocks = kv_memory // block_bytes
+        if num_blocks < 1:
+            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes")
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=kv.encode())
+        self.pool = PagedKVPool(config, num_blocks, block_size, dtype)
+        self.scheduler = Scheduler(self.blocks, scheduler)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        limit = self.model.config.max_position_embeddings
+        if not prompt_ids:
+            raise PaperbackError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                                     f"exceeds the model's context of {limit} tokens")
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params)
+        seq.generator = make_generator(params)
+        self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, params, [seq], {seq.seq_id: self._detok(prompt_ids)},
+                                             {seq.seq_id: ""})
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its sequences finish at once and free their blocks."""
+        request = self.requests.pop(request_id, None)
+        if request:
+            for seq in request.seqs:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq, "abort")
+
+    def _detok(self, prompt_ids):
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
+
+    # --- the step ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        for src, dst in plan.copies:
+            self.pool.copy_block(src, dst)
+        if not plan.work:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise PaperbackError("the KV pool cannot hold the next waiting request")
+            return []
+        seqs = [StepSequence(n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id))) for s, n in plan.work]
+        batch = StepBatch(self.pool, seqs)
+        ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]])
+        hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
+        ends, samplers = [], []
+        offset = 0
+        for seq, n in plan.work:
+            offset += n
+            seq.num_computed += n
+            self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+            if seq.num_computed == seq.num_tokens:  # this step reached its last token: sample the next
+                ends.append(offset - 1)
+                samplers.append(seq)
+        finished: list[RequestOutput] = []
+        if samplers:
+            logits = self.model.logits(hidden[ends]).float()
+            for seq, row in zip(samplers, logits):
+                for target in self._fork_if_needed(seq):
+                    self._append_token(target, row)
+        for request in list(self.requests.values()):
+            if all(s.status is Status.FINISHED for s in request.seqs):
+                finished.append(self._output(self.requests.pop(request.request_id)))
+        return finished
+
+    def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
+        """The n sequences of a request that just finished its prefill (forked here), else seq alone."""
+        request = self.requests[seq.request_id]
+        if request.forked or request.params.n == 1 or len(request.seqs) > 1:
+            request.forked = True
+            return [seq]
+        request.forked = True
+        for i in range(1, request.params.n):
+            params = request.params
+            child = Sequence(next(self._seq_ids), seq.request_id, list(seq.prompt_ids), params,
+                             arrival=seq.arrival, num_computed=seq.num_computed)
+            seeded = replace(params, seed=None if params.seed is None else params.seed + i)
+            child.generator = make_generator(seeded)
+            self.blocks.fork(seq.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            request.detoks[child.seq_id] = self._detok(seq.prompt_ids)
+            request.texts[child.seq_id] = ""
+        return list(request.seqs)
+
+    def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        params = seq.params
+        token = int(sample(logits[None], params, seq.generator)[0])
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        request = self.requests[seq.request_id]
+        eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
+        if token in eos:
+            self.scheduler.finish(seq, "stop")
+            return
+        seq.output_ids.append(token)
+        detok = request.detoks[seq.seq_id]
+        if detok is not None:
+            text = request.texts[seq.seq_id] + detok.push(token)
+            hit = _find_stop(text, params.stop, len(request.texts[seq.seq_id]) - max(map(len, params.stop), default=0))
+            if hit is not None:
+                request.texts[seq.seq_id] = text[:hit[0]]
+                self.scheduler.finish(seq, "stop")
+                return
+            request.texts[seq.seq_id] = text
+        if len(seq.output_ids) >= params.max_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, request: _Request) -> RequestOutput:
+        first = request.seqs[0]
+        outputs = [CompletionOutput(i, request.texts[s.seq_id], s.output_ids, s.finish_reason)
+                   for i, s in enumerate(request.seqs)]
+        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        timings = {"time_to_first_token_s": min(firsts) - first.arrival if firsts else None,
+                   "total_s": max(s.finish_time for s in request.seqs) - first.arrival,
+                   "preemptions": sum(s.preemptions for s in request.seqs)}
+        return RequestOutput(request.request_id, first.prompt_ids, outputs, timings)
+
+    def run(self) -> list[RequestOutput]:
+        """Step until every request has finished; outputs in the order requests finished."""
+        done = []
+        while self.scheduler.has_work:
+            done += self.step()
+        return done
+
+
+class LLM:
+    """Offline batch generation through the paged engine.
+
+    LLM("smollm2", kv="fp16", kv_memory=2 * 2**30).generate(["Hello"], SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, model="smollm2", dtype: str = "fp32", kv: str = "fp32", kv_memory: int | None = 2 ** 30,
+                 **engine_args):
+        from paperback.loading import LoadedModel, load_model
+
+        lm = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+        self.engine = LLMEngine(lm, kv=kv, kv_memory=kv_memory, **engine_args)
+        self.tokenizer = lm.tokenizer
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+                 ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order (token-id prompts are used as given)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids.append(self.engine.add_request(prompt_ids, p))
+        results = {r.request_id: r for r in self.engine.run()}
+        return [results[i] for i in ids]

@@ -1,0 +1,154 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+Iteration-level scheduling as vLLM does it. Every step the running sequences
+go first, in arrival order: a decoding sequence brings one token, one still
+prefilling brings the next chunk of its prompt that fits the step's token
+budget (chunked prefill). Then waiting requests are admitted, first come
+first served, while the budget, the cap on running sequences and the free
+blocks allow. When a running sequence needs a block and none is free, the
+most recently admitted sequence is preempted by recomputation: its blocks
+are freed and it returns to the front of the waiting queue, to be prefilled
+again (prompt and output so far) when blocks free up. No request is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from paperback.engine.block_manager import BlockManager, NoFreeBlocks
+from paperback.errors import PaperbackError
+from paperback.generation.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose keys and values are in the cache
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemptions: int = 0
+    admitted_step: int = -1
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_step_tokens: int = 512  # token budget of one step (prefill chunks plus decode tokens)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_step_tokens < 1:
+            raise PaperbackError("max_num_seqs and max_step_tokens must be positive")
+
+
+@dataclass
+class ScheduledStep:
+    work: list[tuple[Sequence, int]]  # (sequence, new tokens this step)
+    copies: list[tuple[int, int]]  # copy-on-write block copies to perform first
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig()):
+        self.blocks = blocks
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.steps = 0
+
+    def add(self, seq: Sequence) -> None:
+        if self.blocks.blocks_needed(seq.num_tokens + seq.params.max_tokens) > self.blocks.num_blocks:
+            raise PaperbackError(f"request {seq.request_id} needs more KV blocks than the whole pool holds "
+                                 f"({seq.num_tokens} + {seq.params.max_tokens} tokens)")
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (parallel sampling) joins the running set."""
+        seq.status = Status.RUNNING
+        seq.admitted_step = self.steps
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledStep:
+        self.steps += 1
+        budget = self.config.max_step_tokens
+        work: list[tuple[Sequence, int]] = []
+        copies: list[tuple[Sequence, int, int]] = []
+        preempted: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            new = min(seq.num_tokens - seq.num_computed, budget)
+            need = seq.num_computed + new - self.blocks.seqs[seq.seq_id].num_tokens  # slots not yet allocated
+            while True:
+                try:
+                    if need > 0:
+                        copies += [(seq, src, dst) for src, dst in self.blocks.append_slots(seq.seq_id, need)]
+                    break
+                except NoFreeBlocks:
+                    victim = max(self.running, key=lambda s: (s.admitted_step, s.arrival))
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    work = [(s, n) for s, n in work if s is not victim]
+                    if victim is seq:
+                        break
+            if seq.status is Status.RUNNING:
+                work.append((seq, new))
+                budget -= new
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.tokens):
+                break
+            self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
+            seq.status, seq.admitted_step = Status.RUNNING, self.steps
+            self.running.append(seq)
+            new = min(seq.num_tokens - seq.num_computed, budget)
+            work.append((seq, new))
+            budget -= new
+        # A preempted sequence's copies would write into blocks it no longer owns.
+        return ScheduledStep(work, [(src, dst) for s, src, dst in copies if s not in preempted], preempted)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
