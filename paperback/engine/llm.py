@@ -166,7 +166,7 @@ class LLMEngine:
             seq.first_token_time = now
         request = self.requests[seq.request_id]
         eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
-        if token in eos:
+        if token in eos or token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop")
             return
         seq.output_ids.append(token)

@@ -21,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # completions per prompt (the paged engine prefills once and forks)
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS (e.g. a chat template's end-of-turn tokens)
 
     def __post_init__(self):
         if self.n < 1:
@@ -36,6 +37,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise PaperbackError("stop strings must not be empty")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,75 @@
+"""`paperback serve [MODEL]`: an OpenAI-compatible HTTP server over the paged engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from paperback.cli.common import add_dtype_arg, add_model_arg
+from paperback.cli.output import note
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    from paperback.errors import PaperbackError
+
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "b": 1}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            lowered, scale = lowered[: -len(unit)], factor
+            break
+    else:
+        scale = 1
+    try:
+        value = float(lowered) * scale
+    except ValueError:
+        raise PaperbackError(f"bad memory size '{text}' (like 2GiB, 512MiB or a number of bytes)") from None
+    if value <= 0:
+        raise PaperbackError(f"memory size must be positive, got '{text}'")
+    return int(value)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Continuous batching over a paged KV cache: /v1/completions, "
+                                   "/v1/chat/completions (stream=true for server-sent events), /v1/models, "
+                                   "/health and /metrics (Prometheus).")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv", default="fp32", choices=["fp32", "fp16", "bf16"],
+                   help="KV cache storage (quantized formats come to the engine next)")
+    p.add_argument("--kv-memory", default="1GiB", help="memory for the KV block pool (default 1GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
+    p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--served-name", default=None, help="model name the API reports (default: the model's)")
+    add_dtype_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from paperback.engine.llm import LLMEngine
+    from paperback.engine.scheduler import SchedulerConfig
+    from paperback.loading import load_model
+    from paperback.server.app import create_app
+    from paperback.server.async_engine import AsyncEngine
+
+    kv_memory = parse_bytes(args.kv_memory)
+    lm = load_model(args.model, args.dtype)
+    engine = LLMEngine(lm, kv=args.kv, kv_memory=kv_memory, block_size=args.block_size,
+                       prefix_caching=not args.no_prefix_caching,
+                       scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens))
+    runner = AsyncEngine(engine, max_waiting=args.max_waiting)
+    name = args.served_name or lm.source.label
+    note(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.blocks.num_blocks} KV blocks of "
+         f"{args.block_size} tokens)")
+    try:
+        uvicorn.run(create_app(runner, name), host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.shutdown()
+    return 0
