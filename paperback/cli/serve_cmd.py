@@ -37,8 +37,11 @@ def register(sub) -> None:
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv", default="fp32", choices=["fp32", "fp16", "bf16"],
-                   help="KV cache storage (quantized formats come to the engine next)")
+    p.add_argument("--kv", default="fp32",
+                   help="KV cache format of every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, pnmix, "
+                        "with settings as in `paperback eval --kv`); default fp32")
+    p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
+    p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
     p.add_argument("--kv-memory", default="1GiB", help="memory for the KV block pool (default 1GiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
@@ -59,9 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from paperback.server.app import create_app
     from paperback.server.async_engine import AsyncEngine
 
+    from paperback.kv import build_policy, parse_kv_scheme
+
     kv_memory = parse_bytes(args.kv_memory)
+    parse_kv_scheme(args.kv)  # a bad format fails before the model loads
     lm = load_model(args.model, args.dtype)
-    engine = LLMEngine(lm, kv=args.kv, kv_memory=kv_memory, block_size=args.block_size,
+    policy = build_policy(lm.config, args.kv, args.kv_skip_layers, args.kv_policy)
+    engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
                        prefix_caching=not args.no_prefix_caching,
                        scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens))
     runner = AsyncEngine(engine, max_waiting=args.max_waiting)

@@ -194,15 +194,19 @@ class BlockManager:
             seq.table.append(self._take_free())
         return copies
 
-    def commit(self, seq_id: int, tokens: list[int]) -> None:
+    def commit(self, seq_id: int, tokens: list[int], final_blocks: int | None = None) -> None:
         """Register the sequence's newly full blocks in the prefix cache, once their KV is written.
 
         tokens: every token of the sequence whose KV is now in the cache.
+        final_blocks: how many leading blocks hold their final bytes (a quantized
+        pool encodes a block only once it leaves the exact recent window).
         """
         if not self.prefix_caching:
             return
         seq = self.seqs[seq_id]
         full = min(len(tokens), seq.num_tokens) // self.block_size
+        if final_blocks is not None:
+            full = min(full, final_blocks)
         parent = seq.hashes[-1] if seq.hashes else None
         for h in self._block_hashes(tokens[:full * self.block_size], parent, len(seq.hashes)):
             b = len(seq.hashes)

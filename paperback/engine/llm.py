@@ -12,6 +12,8 @@ its blocks.
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -23,9 +25,15 @@ from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Sta
 from paperback.errors import ContextLengthError, PaperbackError
 from paperback.generation.generate import IncrementalDetokenizer, _find_stop
 from paperback.generation.sampling import SamplingParams, make_generator, sample
+from paperback.kv.policy import KVPolicy, build_policy
 from paperback.memory import dtype_bytes
 
-KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+def block_bytes(config, policy: KVPolicy, block_size: int) -> int:
+    """Bytes one block takes in every layer, in each layer's format (the same bits the formats report)."""
+    elements = 2 * config.num_kv_heads * block_size * config.head_dim
+    return sum(math.ceil(elements * policy.scheme_for(i).bits_per_element(config.head_dim) / 8)
+               for i in range(config.num_layers))
 
 
 @dataclass
@@ -55,23 +63,40 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, lm, kv: str = "fp32", kv_memory: int | None = None, num_blocks: int | None = None,
+    """kv: a KV format for every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, ...; see paperback.kv),
+    or a KVPolicy. The block size grows to a multiple of every format's token group (KIVI: 32).
+    Quantized formats also reserve exact staging blocks for each running sequence's recent window.
+    """
+
+    def __init__(self, lm, kv: str | KVPolicy = "fp32", kv_memory: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig()):
-        if kv not in KV_DTYPES:
-            raise PaperbackError(f"the paged engine stores KV as {', '.join(KV_DTYPES)} so far, not '{kv}'")
         self.lm, self.model, self.tokenizer = lm, lm.model, lm.tokenizer
         config = self.model.config
-        dtype = KV_DTYPES[kv]
-        block_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype) * block_size
+        policy = kv if isinstance(kv, KVPolicy) else build_policy(config, kv)
+        self.policy = policy
+        schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
+        block_size = math.lcm(block_size, *(s.flush_group for s in schemes))
+        residual = max((s.residual for s in schemes if not s.is_native), default=0)
+        quantized = any(not s.is_native for s in schemes)
+        stage_blocks = 0
+        per_block = block_bytes(config, policy, block_size)
+        if quantized:  # exact blocks for the recent windows of the running sequences (and their forks)
+            stage_blocks = 2 * scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual)
+        stage_bytes = stage_blocks * 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size \
+            * dtype_bytes(self.model.dtype)
         if num_blocks is None:
             if kv_memory is None:
                 raise PaperbackError("give the KV cache a memory budget (kv_memory) or a number of blocks")
-            num_blocks = kv_memory // block_bytes
+            num_blocks = (kv_memory - stage_bytes) // per_block
         if num_blocks < 1:
-            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {block_bytes} bytes")
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=kv.encode())
-        self.pool = PagedKVPool(config, num_blocks, block_size, dtype)
-        self.scheduler = Scheduler(self.blocks, scheduler)
+            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {per_block} bytes "
+                                 f"(after {stage_bytes} bytes of staging for the exact recent windows)")
+        salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=salt)
+        self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks)
+        self.scheduler = Scheduler(self.blocks, scheduler,
+                                   on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
+                                   on_free=lambda seq: self.pool.release(seq.seq_id))
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -114,7 +139,8 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise PaperbackError("the KV pool cannot hold the next waiting request")
             return []
-        seqs = [StepSequence(n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id))) for s, n in plan.work]
+        seqs = [StepSequence(s.seq_id, n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id)))
+                for s, n in plan.work]
         batch = StepBatch(self.pool, seqs)
         ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]])
         hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
@@ -123,7 +149,8 @@ class LLMEngine:
         for seq, n in plan.work:
             offset += n
             seq.num_computed += n
-            self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed])
+            final = self.pool.final_blocks(seq.seq_id, seq.num_computed)
+            self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed], final)
             if seq.num_computed == seq.num_tokens:  # this step reached its last token: sample the next
                 ends.append(offset - 1)
                 samplers.append(seq)
@@ -152,6 +179,7 @@ class LLMEngine:
             seeded = replace(params, seed=None if params.seed is None else params.seed + i)
             child.generator = make_generator(seeded)
             self.blocks.fork(seq.seq_id, child.seq_id)
+            self.pool.fork(seq.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             request.seqs.append(child)
             request.detoks[child.seq_id] = self._detok(seq.prompt_ids)

@@ -1,51 +1,231 @@
-"""Physical KV storage in blocks, and one engine step's view of it.
+"""Physical KV storage in blocks, in any KV format, and one engine step's view of it.
 
-`PagedKVPool` holds, per layer, a (num_blocks, Hkv, block_size, D) tensor for
-keys and one for values: slot s of block b stores the token at position
-`b_index * block_size + s` of whichever sequence lists b in its block table.
-The block manager decides which blocks a sequence owns; the pool only
-stores. (This first version stores the model's dtype; quantized formats
-store their encoded fields per block the same way, next.)
+`PagedKVPool` stores, per layer, `num_blocks` blocks of `block_size` token
+slots in that layer's format (a `KVPolicy` picks it):
 
-`StepBatch` packs the new tokens of several sequences into one row (prefill
-chunks and decode tokens alike): the linear layers run once over all of
-them, and attention writes each sequence's keys and values into its slots,
-then reads them back through its block table with `paged_attention`.
+- **native** layers (fp32 / fp16 / bf16) keep a (num_blocks, Hkv, bs, D)
+  tensor for keys and one for values, written token by token;
+- **quantized** layers keep each encoded field of their codecs per block
+  (codes, scales, minimums: (num_blocks, Hkv, rows, width)), packed as the
+  codec stores them. A block is encoded once, when all its tokens are older
+  than the format's exact recent window; until then its tokens sit in a
+  small exact staging area (a few blocks per running sequence), so the
+  recent window and partly filled key groups stay exact, as in
+  `paperback.kv.QuantizedKVCache`.
+
+The block manager decides which blocks a sequence owns; the pool stores
+bytes and, per sequence, which staging slots hold its unencoded blocks.
+
+`StepBatch` packs the new tokens of several sequences into one row: linear
+layers run once over all of them, and attention writes each sequence's keys
+and values, then reads its blocks back through `paged_attention`, decoding
+quantized blocks a few at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.paged_attention import paged_attention
+from paperback.kv.policy import KVPolicy
+from paperback.kv.schemes import NATIVE
 from paperback.models.config import ModelConfig
 
 
+class _Layer:
+    def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, num_blocks: int, block_size: int,
+                 stage_blocks: int, dtype: torch.dtype, device):
+        self.scheme = policy.scheme_for(idx)
+        self.native = self.scheme.is_native
+        shape = (config.num_kv_heads, block_size, config.head_dim)
+        if self.native:
+            store = NATIVE[self.scheme.dtype]
+            self.keys = torch.zeros((num_blocks, *shape), dtype=store, device=device)
+            self.values = torch.zeros((num_blocks, *shape), dtype=store, device=device)
+            return
+        self.key_codec, self.value_codec = self.scheme.codecs()
+        probe = torch.zeros((1, *shape), device=device)
+        self.key_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
+                           for n, t in self._encode(self.key_codec, probe).items()}
+        self.value_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
+                             for n, t in self._encode(self.value_codec, probe).items()}
+        self.stage_keys = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
+        self.stage_values = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
+
+    @staticmethod
+    def _encode(codec, x):
+        """Encode x; for PN-Mix, under a throwaway ranking (only the field shapes are wanted)."""
+        if hasattr(codec, "selection") and codec.selection is None:
+            codec.select(torch.ones(1, x.shape[1], x.shape[2], x.shape[3]), x + 1)
+            fields = codec.encode(x)
+            codec.selection = None
+            return fields
+        return codec.encode(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self.native:
+            return [self.keys, self.values]
+        return [*self.key_fields.values(), *self.value_fields.values()]
+
+
+@dataclass
+class _SeqState:
+    stage: dict[int, int] = field(default_factory=dict)  # block index -> staging slot
+    flushed: dict[int, int] = field(default_factory=dict)  # quantized layer -> leading blocks encoded
+
+    @property
+    def all_flushed(self) -> int:
+        return min(self.flushed.values(), default=0)
+
+
 class PagedKVPool:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, policy: KVPolicy, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, stage_blocks: int = 0, device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device)
+                       for i in range(config.num_layers)]
+        quantized = [layer.scheme for layer in self.layers if not layer.native]
+        self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
+        self.quantized = bool(quantized)
+        for s in quantized:
+            if block_size % s.flush_group:
+                raise ValueError(f"block size {block_size} is not a multiple of {s.label}'s group of "
+                                 f"{s.flush_group} tokens")
+        self.stage_free = list(range(stage_blocks)) if self.quantized else []
+        self.seqs: dict[int, _SeqState] = {}
+
+    @staticmethod
+    def stage_blocks_per_seq(block_size: int, residual: int) -> int:
+        """Staging a sequence can hold at once: its recent window plus the block being filled, plus one."""
+        return -(-residual // block_size) + 2
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+
+    # --- sequences ----------------------------------------------------------------------------------------
+    def start(self, seq_id: int, cached_blocks: int) -> None:
+        """A sequence admitted with `cached_blocks` leading blocks already final (prefix-cache hits)."""
+        self.seqs[seq_id] = _SeqState(flushed={i: cached_blocks for i in self.quantized_layers})
+
+    def release(self, seq_id: int) -> None:
+        state = self.seqs.pop(seq_id, None)
+        if state:
+            self.stage_free += state.stage.values()
+
+    def fork(self, parent: int, child: int) -> None:
+        """The child gets its own copies of the parent's staged (unencoded) blocks."""
+        src = self.seqs[parent]
+        dst = self.seqs[child] = _SeqState(flushed=dict(src.flushed))
+        for b, slot in src.stage.items():
+            dst.stage[b] = new = self._take_stage()
+            for layer in self.layers:
+                if not layer.native:
+                    layer.stage_keys[new] = layer.stage_keys[slot]
+                    layer.stage_values[new] = layer.stage_values[slot]
+
+    def _take_stage(self) -> int:
+        if not self.stage_free:
+            raise NoFreeBlocks("no free staging blocks for the exact recent window")
+        return self.stage_free.pop()
+
+    def prepare(self, seq_id: int, first_pos: int, seq_len: int) -> None:
+        """Staging slots for the blocks that positions [first_pos, seq_len) will be written to."""
+        if not self.quantized:
+            return
+        state = self.seqs[seq_id]
+        for b in range(first_pos // self.block_size, -(-seq_len // self.block_size)):
+            if b >= state.all_flushed and b not in state.stage:
+                state.stage[b] = self._take_stage()
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write: the destination takes the source's contents in every layer."""
-        for store in self.keys + self.values:
-            store[dst] = store[src]
+        """Copy-on-write of a main block in every layer (staged blocks are per sequence already)."""
+        for layer in self.layers:
+            for t in layer.tensors():
+                t[dst] = t[src]
+
+    # --- per layer: write, read, flush ---------------------------------------------------------------------
+    def write(self, layer_idx: int, seq_id: int, table: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (Hkv, T, D) of the tokens at `positions`."""
+        layer = self.layers[layer_idx]
+        blocks, slots = positions // self.block_size, positions % self.block_size
+        if layer.native:
+            layer.keys[table[blocks], :, slots] = k.transpose(0, 1).to(layer.keys.dtype)
+            layer.values[table[blocks], :, slots] = v.transpose(0, 1).to(layer.values.dtype)
+            return
+        stage = self.seqs[seq_id].stage
+        where = torch.tensor([stage[b] for b in blocks.tolist()], dtype=torch.long)
+        layer.stage_keys[where, :, slots] = k.transpose(0, 1).to(layer.stage_keys.dtype)
+        layer.stage_values[where, :, slots] = v.transpose(0, 1).to(layer.stage_values.dtype)
+
+    def reader(self, layer_idx: int, seq_id: int, table: torch.Tensor, dtype: torch.dtype):
+        """Logical block indices -> (keys, values) (n, Hkv, bs, D): encoded blocks decoded, staged ones as is."""
+        layer = self.layers[layer_idx]
+        if layer.native:
+            return lambda idx: (layer.keys[table[idx]], layer.values[table[idx]])
+        state = self.seqs[seq_id]
+        flushed = state.flushed[layer_idx]
+
+        def read(idx: torch.Tensor):
+            parts_k, parts_v = [], []
+            encoded = idx[idx < flushed]
+            if len(encoded):
+                ids = table[encoded]
+                parts_k.append(layer.key_codec.decode({n: t[ids] for n, t in layer.key_fields.items()}, dtype))
+                parts_v.append(layer.value_codec.decode({n: t[ids] for n, t in layer.value_fields.items()}, dtype))
+            staged = idx[idx >= flushed]
+            if len(staged):
+                slots = torch.tensor([state.stage[b] for b in staged.tolist()], dtype=torch.long)
+                parts_k.append(layer.stage_keys[slots].to(dtype))
+                parts_v.append(layer.stage_values[slots].to(dtype))
+            return torch.cat(parts_k), torch.cat(parts_v)
+
+        return read
+
+    def flush(self, layer_idx: int, seq_id: int, table: torch.Tensor, seq_len: int) -> None:
+        """Encode this layer's blocks of the sequence that are now wholly older than its recent window.
+
+        Called after the step's tokens are written and before attention reads,
+        as the dense quantized cache does, so both read the same bytes. A
+        staging slot is freed once every quantized layer has encoded its block.
+        """
+        layer = self.layers[layer_idx]
+        if layer.native:
+            return
+        state = self.seqs[seq_id]
+        ready = max(0, seq_len - layer.scheme.residual) // self.block_size
+        for b in range(state.flushed[layer_idx], ready):
+            slot = state.stage[b]
+            for codec, stage, fields in ((layer.key_codec, layer.stage_keys, layer.key_fields),
+                                         (layer.value_codec, layer.stage_values, layer.value_fields)):
+                for name, t in codec.encode(stage[slot:slot + 1]).items():
+                    fields[name][table[b]] = t[0]
+        state.flushed[layer_idx] = max(state.flushed[layer_idx], ready)
+        done = state.all_flushed
+        for b in [b for b in state.stage if b < done]:
+            self.stage_free.append(state.stage.pop(b))
+
+    def final_blocks(self, seq_id: int, computed: int) -> int:
+        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share)."""
+        full = computed // self.block_size
+        return min(full, self.seqs[seq_id].all_flushed) if self.quantized else full
+
+    def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        codec = getattr(self.layers[layer_idx], "key_codec", None)
+        if codec is not None and hasattr(codec, "observe"):
+            codec.observe(q, k)
 
 
 @dataclass(frozen=True)
 class StepSequence:
     """One sequence's part of a step: `num_new` tokens ending at position seq_len - 1."""
 
+    seq_id: int
     num_new: int
     seq_len: int
     block_table: torch.Tensor  # (blocks,) long
@@ -57,28 +237,22 @@ class StepBatch:
     def __init__(self, pool: PagedKVPool, seqs: list[StepSequence]):
         self.pool = pool
         self.seqs = seqs
-        bs = pool.block_size
-        blocks, slots = [], []
         for s in seqs:
-            pos = torch.arange(s.seq_len - s.num_new, s.seq_len)
-            blocks.append(s.block_table[pos // bs])
-            slots.append(pos % bs)
-        self.write_blocks = torch.cat(blocks)
-        self.write_slots = torch.cat(slots)
+            pool.prepare(s.seq_id, s.seq_len - s.num_new, s.seq_len)
         self.positions = torch.cat([torch.arange(s.seq_len - s.num_new, s.seq_len) for s in seqs])
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D)."""
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        # Slot writes: token i goes to block write_blocks[i], slot write_slots[i].
-        keys[self.write_blocks, :, self.write_slots] = k[0].transpose(0, 1).to(keys.dtype)
-        values[self.write_blocks, :, self.write_slots] = v[0].transpose(0, 1).to(values.dtype)
         out = torch.empty_like(q)
         start = 0
+        bs = self.pool.block_size
         for s in self.seqs:
-            q_seq = q[0, :, start:start + s.num_new]
-            out[0, :, start:start + s.num_new] = paged_attention(
-                q_seq, lambda ids: (keys[ids], values[ids]), s.block_table, s.seq_len, self.pool.block_size,
-                scaling, window)
+            part = slice(start, start + s.num_new)
+            self.pool.observe(layer_idx, q[:, :, part], k[:, :, part])
+            self.pool.write(layer_idx, s.seq_id, s.block_table, self.positions[part], k[0, :, part], v[0, :, part])
+            self.pool.flush(layer_idx, s.seq_id, s.block_table, s.seq_len)
+            logical = torch.arange(-(-s.seq_len // bs))
+            read = self.pool.reader(layer_idx, s.seq_id, s.block_table, q.dtype)
+            out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window)
             start += s.num_new
         return out

@@ -75,9 +75,14 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig()):
+    """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases."""
+
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig(),
+                 on_admit=None, on_free=None):
         self.blocks = blocks
         self.config = config
+        self.on_admit = on_admit or (lambda seq, cached: None)
+        self.on_free = on_free or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
@@ -99,12 +104,14 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq.seq_id)
+            self.on_free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
+        self.on_free(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -141,6 +148,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
+            self.on_admit(seq, seq.num_computed)
             seq.status, seq.admitted_step = Status.RUNNING, self.steps
             self.running.append(seq)
             new = min(seq.num_tokens - seq.num_computed, budget)
