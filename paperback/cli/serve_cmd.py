@@ -42,7 +42,9 @@ def register(sub) -> None:
                         "with settings as in `paperback eval --kv`); default fp32")
     p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
     p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
-    p.add_argument("--kv-memory", default="1GiB", help="memory for the KV block pool (default 1GiB)")
+    p.add_argument("--kv-memory", default=None, help="memory for the KV block pool (default 1GiB)")
+    p.add_argument("--memory", default=None,
+                   help="total memory budget: the KV pool gets what remains after the weights")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
     p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
@@ -64,9 +66,20 @@ def run(args: argparse.Namespace) -> int:
 
     from paperback.kv import build_policy, parse_kv_scheme
 
-    kv_memory = parse_bytes(args.kv_memory)
+    from paperback.errors import PaperbackError
+    from paperback.memory import module_bytes
+
+    if args.memory and args.kv_memory:
+        raise PaperbackError("give either --memory (total) or --kv-memory (the KV pool alone), not both")
+    kv_memory = parse_bytes(args.kv_memory or "1GiB")
+    total = parse_bytes(args.memory) if args.memory else None
     parse_kv_scheme(args.kv)  # a bad format fails before the model loads
     lm = load_model(args.model, args.dtype)
+    if total is not None:
+        weights = module_bytes(lm.model)
+        kv_memory = total - weights
+        if kv_memory <= 0:
+            raise PaperbackError(f"--memory {args.memory} does not even hold the weights ({weights / 2**20:.0f} MiB)")
     policy = build_policy(lm.config, args.kv, args.kv_skip_layers, args.kv_policy)
     engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
                        prefix_caching=not args.no_prefix_caching,

@@ -142,3 +142,15 @@ def test_quantize_bad_settings_fail_before_any_work(tmp_path, capsys, argv, mess
 ])
 def test_eval_bad_kv_settings(capsys, argv, message):
     assert message in run_cli(capsys, "eval", "smollm2", *argv, "--max-windows", "1")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv", "nf4"], "unknown KV format 'nf4'"),
+    (["--kv-memory", "lots"], "bad memory size 'lots'"),
+    (["--kv-memory=0GiB"], "must be positive"),
+    (["--memory", "10MiB"], "does not even hold the weights"),
+    (["--memory", "1GiB", "--kv-memory", "1GiB"], "not both"),
+    (["--kv-memory", "1KiB"], "holds no block"),
+])
+def test_serve_bad_settings(capsys, argv, message):
+    assert message in run_cli(capsys, "serve", "smollm2", *argv)

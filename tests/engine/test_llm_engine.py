@@ -140,3 +140,20 @@ def test_every_format_serves_batches_with_preemption_and_prefix_sharing(tiny32, 
     if spec in ("int8", "fp16"):  # near-lossless formats keep the greedy answers of the fp32 model
         same = sum(outs[i].outputs[0].token_ids == reference(tiny32.model, p, 30) for i, p in zip(ids, ps))
         assert same >= 10
+
+
+def test_weight_quantized_model_runs_unchanged(tmp_path):
+    from paperback.quantization import QuantScheme
+    from paperback.quantization.checkpoint import swap_in_quantized
+    from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+    tiny_llama_hf(max_position_embeddings=512, hidden_size=128).save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    swap_in_quantized(lm.model, quantize_model(lm.model, QuantizeConfig("rtn", QuantScheme(4, 32)), progress=False))
+    assert type(lm.model.model.layers[0].self_attn.q_proj).__name__ == "QuantLinear"
+    engine = LLMEngine(lm, kv="int8", num_blocks=32)
+    ps = prompts(6, seed=5)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in ps]
+    outs = {o.request_id: o for o in engine.run()}
+    same = sum(outs[i].outputs[0].token_ids == reference(lm.model, p, 10) for i, p in zip(ids, ps))
+    assert same >= 5  # int8 KV keeps the greedy answers of the quantized model itself
