@@ -105,7 +105,9 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        """Bytes of the block pool plus the exact staging area."""
+        staging = [t for layer in self.layers if not layer.native for t in (layer.stage_keys, layer.stage_values)]
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors() + staging)
 
     # --- sequences ----------------------------------------------------------------------------------------
     def start(self, seq_id: int, cached_blocks: int) -> None:
