@@ -83,6 +83,22 @@ def test_abort_frees_blocks_at_once(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("num_blocks, caching", [(400, True), (40, False)])
+def test_smollm2_batch_32_is_token_identical(smollm2, wikitext_ids, num_blocks, caching):
+    """32 real prompts (some sharing a prefix), with prefix caching, and with a pool small enough to preempt."""
+    engine = LLMEngine(smollm2, num_blocks=num_blocks, prefix_caching=caching, scheduler=SchedulerConfig(32, 256))
+    ps = [wikitext_ids[i * 37:i * 37 + 20 + i] for i in range(24)]
+    ps += [wikitext_ids[:64] + wikitext_ids[1000 + 9 * i:1009 + 9 * i] for i in range(8)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in ps]
+    outs = {o.request_id: o for o in engine.run()}
+    for request_id, p in zip(ids, ps):
+        assert outs[request_id].outputs[0].token_ids == reference(smollm2.model, p, 24), request_id
+    if num_blocks == 40:
+        assert sum(o.timings["preemptions"] for o in outs.values()) > 0
+    engine.blocks.check()
+
+
+@pytest.mark.slow
 def test_smollm2_batch_matches_reference_with_text(smollm2):
     from paperback.engine.llm import LLM
 
