@@ -1,0 +1,76 @@
+"""Bytes of weights and of KV cache from a model's shape: the numbers a plan is made of.
+
+Weights: every linear layer of the blocks (all experts of an MoE) in the
+chosen scheme, with its scales and zero points counted exactly by
+`QuantScheme.storage_bits`; embeddings, the untied head, norms, biases and
+routers stay 16-bit. KV cache: per token and layer 2 x KV heads x head dim
+elements at the format's exact bits (`KVScheme.bits_per_element`, scales
+included); sliding-window layers stop growing at their window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paperback.kv.schemes import KVScheme, parse_kv_scheme
+from paperback.plan.shape import ModelShape
+from paperback.quantization.scheme import QuantScheme
+
+FULL_PRECISION = {"fp32": 32, "fp16": 16, "bf16": 16}
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    quantized_codes: int  # bytes of the codes of quantized layers (or of those layers at full precision)
+    quantized_overhead: int  # their scales and zero points
+    full_precision: int  # embeddings, untied head, norms, biases, routers
+
+    @property
+    def total(self) -> int:
+        return self.quantized_codes + self.quantized_overhead + self.full_precision
+
+
+def block_linears(shape: ModelShape) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer in one block, each expert's MLP listed."""
+    h, d = shape.hidden_size, shape.head_dim
+    attention = [(shape.num_heads * d, h), (shape.num_kv_heads * d, h), (shape.num_kv_heads * d, h),
+                 (h, shape.num_heads * d)]
+    mlp = [(shape.intermediate_size, h), (shape.intermediate_size, h), (h, shape.intermediate_size)]
+    return attention + mlp * shape.num_experts
+
+
+def weight_bytes(shape: ModelShape, scheme: str | QuantScheme = "fp16") -> WeightBytes:
+    """scheme: fp32 / fp16 / bf16, or a QuantScheme for the block linears."""
+    linears = block_linears(shape) * shape.num_layers
+    if isinstance(scheme, str):
+        bits = FULL_PRECISION[scheme]
+        codes, overhead, other_bits = sum(o * i for o, i in linears) * bits // 8, 0, bits
+    else:
+        codes = sum(math.ceil(o * i * scheme.bits / 8) for o, i in linears)
+        overhead = sum(math.ceil(scheme.storage_bits(o, i) / 8) for o, i in linears) - codes
+        other_bits = 16
+    h = shape.hidden_size
+    other = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
+    other += shape.num_layers * 2 * h + h  # two norms per block, the final norm
+    if shape.qk_norm:
+        other += shape.num_layers * 2 * shape.head_dim
+    if shape.attention_bias:
+        other += shape.num_layers * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    if shape.num_experts > 1:
+        other += shape.num_layers * shape.num_experts * h  # router
+    return WeightBytes(codes, overhead, other * other_bits // 8)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme = "fp16") -> float:
+    """Bytes one token adds to the cache in every layer (while no window has filled)."""
+    scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * scheme.bits_per_element(shape.head_dim) / 8
+
+
+def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users: int = 1) -> float:
+    """Cache bytes of `users` sequences of `context` tokens; sliding layers hold at most their window."""
+    scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
+    per_layer_token = 2 * shape.num_kv_heads * shape.head_dim * scheme.bits_per_element(shape.head_dim) / 8
+    tokens = sum(min(context, w) if w else context for w in shape.layer_windows)
+    return users * per_layer_token * tokens

@@ -1,0 +1,129 @@
+"""The shape of a model, all the planner needs: layer sizes, heads, experts, windows; from a config alone.
+
+Sources: a bundled preset by name (`paperback/plan/presets/*.json`, each
+naming where its numbers come from), a Hugging Face `config.json` (or a
+directory holding one, paperback's quantized checkpoints included), or a
+GGUF file's metadata. MoE models (Mixtral) plan but do not run here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from paperback.errors import PaperbackError
+
+PRESETS = resources.files("paperback.plan") / "presets"
+# model types the planner understands, and whether q/k/v carry a bias
+MODEL_TYPES = {"llama": False, "mistral": False, "mixtral": False, "qwen2": True, "qwen3": False,
+               "gemma3_text": False, "gemma3": False}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 1  # MoE: every expert's MLP is stored
+    experts_per_token: int = 1
+    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = field(default=())  # per layer: window or None (full attention)
+    source: str = ""
+
+    def __post_init__(self):
+        for attr in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings", "num_experts"):
+            if getattr(self, attr) <= 0:
+                raise PaperbackError(f"model config field '{attr}' must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise PaperbackError(f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} "
+                                 f"KV heads")
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (self.sliding_window,) * self.num_layers
+                               if self.sliding_window else (None,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers:
+            raise PaperbackError("one attention window per layer is needed")
+
+
+def _need(cfg: dict, key: str, where: str):
+    if cfg.get(key) is None:
+        raise PaperbackError(f"{where}: config has no '{key}'")
+    return cfg[key]
+
+
+def shape_from_hf(cfg: dict, where: str = "config.json", source: str = "") -> ModelShape:
+    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise PaperbackError(f"{where}: model_type '{model_type}' is not supported by the planner "
+                             f"(supported: {', '.join(sorted(MODEL_TYPES))})")
+    layers = int(_need(cfg, "num_hidden_layers", where))
+    hidden = int(_need(cfg, "hidden_size", where))
+    heads = int(_need(cfg, "num_attention_heads", where))
+    windows: tuple = ()
+    window = cfg.get("sliding_window")
+    if model_type.startswith("gemma3"):
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                           for i in range(layers)]
+        windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    elif model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    return ModelShape(
+        name=str(cfg.get("_name_or_path") or where), num_layers=layers, hidden_size=hidden,
+        intermediate_size=int(_need(cfg, "intermediate_size", where)), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(_need(cfg, "vocab_size", where)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type.startswith("gemma3"))),
+        attention_bias=bool(cfg.get("attention_bias", MODEL_TYPES[model_type])),
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        num_experts=int(cfg.get("num_local_experts") or 1), experts_per_token=int(cfg.get("num_experts_per_tok") or 1),
+        sliding_window=int(window) if window and not windows else None, layer_windows=windows, source=source or where)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in PRESETS.iterdir() if p.name.endswith(".json"))
+
+
+def load_shape(spec: str) -> ModelShape:
+    """A preset name, a config.json, a directory holding one, or a .gguf file."""
+    if (PRESETS / f"{spec}.json").is_file():
+        data = json.loads((PRESETS / f"{spec}.json").read_text())
+        shape = shape_from_hf(data["config"], spec, data["source"])
+        return ModelShape(**{**shape.__dict__, "name": spec})
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".gguf" and path.is_file():
+        from paperback.loading import load_model
+
+        config = load_model(str(path), with_tokenizer=False).config
+        return ModelShape(name=path.name, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                          intermediate_size=config.intermediate_size, num_heads=config.num_heads,
+                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+                          max_position_embeddings=config.max_position_embeddings,
+                          tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+                          qk_norm=config.qk_norm,
+                          layer_windows=tuple(config.window_of(i) for i in range(config.num_layers)),
+                          source=str(path))
+    if not path.is_file():
+        raise PaperbackError(f"'{spec}' is neither a preset ({', '.join(preset_names())}) nor a config file, "
+                             f"model directory or .gguf file")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PaperbackError(f"{path} is not valid JSON: {e}") from None
+    return shape_from_hf(cfg, str(path))
