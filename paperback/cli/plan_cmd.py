@@ -1,0 +1,98 @@
+"""`paperback plan MODEL --memory 24GiB --context 32768 --users 8`: which store limits, which lever to pull."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from paperback.cli.common import add_json_arg
+from paperback.cli.output import note, print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="memory plan from a model's config: weights vs KV cache, what fits",
+                       description="Bytes of weights and of KV cache from the configuration alone (the same byte "
+                                   "counts the engine sizes its pool with), for every weight scheme and KV format, "
+                                   "against a memory budget: the bottleneck, the lever to pull first, the largest "
+                                   "context and the most users that fit, and the equivalent vLLM / llama.cpp flags.")
+    p.add_argument("model", help="a preset (llama-2-7b, llama-3.1-8b, llama-3.1-70b, mistral-7b, qwen2.5-7b, "
+                                 "qwen2.5-72b, gemma-3-27b, mixtral-8x7b, smollm2, gemma3), a config.json, a model "
+                                 "directory or a .gguf file")
+    p.add_argument("--memory", required=True, help="device memory, like 24GiB or 80GB")
+    p.add_argument("--context", type=int, default=4096, help="tokens per conversation (default 4096)")
+    p.add_argument("--users", type=int, default=1, help="concurrent conversations (default 1)")
+    p.add_argument("--weights", nargs="+", default=None, help="weight schemes (default fp16 W8 W4 W3)")
+    p.add_argument("--kv", nargs="+", default=None, help="KV formats (default fp16 fp8 int8 int4 kivi2)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk the activation allowance is sized for")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of memory against context per scheme")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.cli.serve_cmd import parse_bytes
+    from paperback.plan.planner import KV_FORMATS, WEIGHT_SCHEMES, plan
+    from paperback.plan.shape import load_shape
+
+    memory = parse_bytes(args.memory)
+    if args.context <= 0 or args.users <= 0:
+        from paperback.errors import PaperbackError
+
+        raise PaperbackError("--context and --users must be positive")
+    shape = load_shape(args.model)
+    report = plan(shape, memory, args.context, args.users, tuple(args.weights or WEIGHT_SCHEMES),
+                  tuple(args.kv or KV_FORMATS), args.chunk)
+    if args.plot:
+        write_plot(shape, report, args.plot)
+    if args.json:
+        print_json(report)
+        return 0
+    gib = 2 ** 30
+    rows = [[r["weights"], r["kv"], f"{r['kv_bytes_per_token'] / 2**10:.1f}", f"{r['kv_bytes_4k'] / gib:.2f}",
+             f"{r['kv_bytes_32k'] / gib:.2f}", f"{r['kv_bytes_at_context'] / gib:.2f}",
+             f"{r['weight_bytes'] / gib:.2f}" + (f" (+{r['weight_overhead_bytes'] / gib:.2f} scales)"
+                                                  if r["weight_overhead_bytes"] else ""),
+             f"{r['total_bytes'] / gib:.2f}", f"{r['headroom_bytes'] / gib:+.2f}", "yes" if r["fits"] else "no",
+             r["max_context"], r["max_users"]] for r in report["rows"]]
+    print_table(f"{shape.name}: {args.users} x {args.context} tokens in {memory / gib:.1f} GiB "
+                f"(allowance {report['allowance_bytes'] / gib:.2f} GiB for the runtime)",
+                ["weights", "KV", "KiB/token", "KV 4k GiB", "KV 32k GiB", f"KV x{args.users} GiB", "weights GiB",
+                 "total GiB", "headroom", "fits", f"max ctx ({args.users} users)", f"max users ({args.context})"],
+                rows)
+    verdict = report["verdict"]
+    if "warning" in verdict:
+        note(f"warning: {verdict['warning']}")
+    note(f"bottleneck at fp16: {verdict['bottleneck']}")
+    note(f"lever: {verdict['lever']}" if verdict["lever"] else verdict["nearest"])
+    note(f"vLLM: vllm serve MODEL {report['flags']['vllm']}")
+    note(f"llama.cpp: llama-server -m MODEL.gguf {report['flags']['llama_cpp']}")
+    if args.plot:
+        note(f"plot: {args.plot}")
+    return 0
+
+
+def write_plot(shape, report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from paperback.plan.arithmetic import kv_bytes
+
+    contexts = [2 ** k for k in range(9, 18) if 2 ** k <= shape.max_position_embeddings]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    gib = 2 ** 30
+    for r in report["rows"]:
+        fixed = r["weight_bytes"] + report["allowance_bytes"]
+        ax.plot(contexts, [(fixed + kv_bytes(shape, c, r["kv"], report["users"])) / gib for c in contexts],
+                marker=".", label=f"{r['weights']} / {r['kv']}")
+    ax.axhline(report["memory"] / gib, color="k", lw=2, label="device memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens per user)")
+    ax.set_ylabel(f"memory for {report['users']} users (GiB)")
+    ax.set_title(f"{shape.name}: weights + KV cache + runtime allowance")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)

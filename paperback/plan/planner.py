@@ -1,0 +1,152 @@
+"""A plan: weights plus KV cache plus a runtime allowance against a memory budget, for every scheme pair.
+
+For each weight scheme x KV format the planner gives the bytes, whether the
+workload (context x users) fits, the largest context that fits for the given
+users and the most users that fit at the given context. The verdict names
+the store that dominates the baseline (fp16 weights, fp16 cache) and the
+lever to pull first: the cheapest change, counted in bits given up, that
+makes the workload fit. Flags translate a plan for vLLM and llama.cpp.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from paperback.errors import PaperbackError
+from paperback.kv.schemes import parse_kv_scheme
+from paperback.plan.arithmetic import kv_bytes, weight_bytes
+from paperback.plan.shape import ModelShape
+from paperback.quantization.scheme import QuantScheme
+
+FRAMEWORK_BYTES = 512 * 2 ** 20  # interpreter, torch, allocator slack: a stated constant, not a measurement
+WEIGHT_SCHEMES = ("fp16", "W8", "W4", "W3")
+KV_FORMATS = ("fp16", "fp8", "int8", "int4", "kivi2")
+# llama.cpp cache types by KV format (-ctk / -ctv); vLLM --kv-cache-dtype
+LLAMA_CPP_KV = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "int8": "q8_0", "int4": "q4_0"}
+VLLM_KV = {"fp16": "auto", "bf16": "auto", "fp8": "fp8_e4m3", "fp8-e4m3": "fp8_e4m3", "fp8-e5m2": "fp8_e5m2"}
+
+
+def parse_weight_scheme(label: str) -> str | QuantScheme:
+    """fp32 / fp16 / bf16, W8 (per channel, symmetric), W4 / W3 (g128 asym), W2 (g64), or W4a-g64 style labels."""
+    if label in ("fp32", "fp16", "bf16"):
+        return label
+    short = {"W8": QuantScheme(8, None, True), "W4": QuantScheme(4, 128, False), "W3": QuantScheme(3, 128, False),
+             "W2": QuantScheme(2, 64, False)}
+    if label in short:
+        return short[label]
+    m = re.fullmatch(r"W(\d)([as])-(ch|g\d+)", label)
+    if not m:
+        raise PaperbackError(f"unknown weight scheme '{label}' (fp16, bf16, fp32, W8, W4, W3, W2 or like W4a-g64)")
+    return QuantScheme(int(m[1]), None if m[3] == "ch" else int(m[3][1:]), m[2] == "s")
+
+
+def runtime_allowance(shape: ModelShape, chunk: int = 512) -> int:
+    """Framework overhead plus fp32 activations of one prefill chunk (hidden, MLP, logits rows)."""
+    per_token = 4 * shape.hidden_size + 2 * shape.intermediate_size * shape.experts_per_token + shape.vocab_size
+    return FRAMEWORK_BYTES + chunk * per_token * 4
+
+
+@dataclass
+class PlanRow:
+    weights: str
+    kv: str
+    weight_bytes: int
+    weight_overhead_bytes: int
+    kv_bytes_per_token: float
+    kv_bytes_at_context: float  # for all users
+    kv_bytes_4k: float  # one user
+    kv_bytes_32k: float
+    total_bytes: float
+    headroom_bytes: float
+    fits: bool
+    max_context: int  # for the requested users
+    max_users: int  # at the requested context
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _max_fitting(lo: int, hi: int, fits) -> int:
+    """Largest n in [lo, hi] with fits(n) (fits is monotone), or lo - 1."""
+    if not fits(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def plan(shape: ModelShape, memory: int, context: int, users: int, weight_schemes=WEIGHT_SCHEMES,
+         kv_formats=KV_FORMATS, chunk: int = 512) -> dict:
+    if memory <= 0 or context <= 0 or users <= 0:
+        raise PaperbackError("memory, context and users must be positive")
+    longest = max(context, shape.max_position_embeddings)
+    allowance = runtime_allowance(shape, chunk)
+    rows = []
+    for w_label in weight_schemes:
+        w = weight_bytes(shape, parse_weight_scheme(w_label))
+        for kv in kv_formats:
+            scheme = parse_kv_scheme(kv)
+            scheme.check_head_dim(shape.head_dim)
+            fixed = w.total + allowance
+
+            def fits(ctx, n, _kv=kv, _fixed=fixed):
+                return _fixed + kv_bytes(shape, ctx, _kv, n) <= memory
+
+            cache = kv_bytes(shape, context, kv, users)
+            total = fixed + cache
+            rows.append(PlanRow(
+                w_label, kv, w.total, w.quantized_overhead, kv_bytes(shape, 1, kv), cache,
+                kv_bytes(shape, 4096, kv), kv_bytes(shape, 32768, kv), total, memory - total, total <= memory,
+                max(0, _max_fitting(1, longest, lambda c: fits(c, users))),
+                max(0, _max_fitting(1, 1 << 20, lambda n: fits(context, n)))))
+    base = next((r for r in rows if r.weights == weight_schemes[0] and r.kv == kv_formats[0]), rows[0])
+    bottleneck = "KV cache" if base.kv_bytes_at_context > base.weight_bytes else "weights"
+    verdict = {"bottleneck": bottleneck, "baseline_fits": base.fits}
+    if context > shape.max_position_embeddings:  # the arithmetic holds; the model was not trained that long
+        verdict["warning"] = (f"context {context} is beyond the {shape.max_position_embeddings} positions "
+                              f"{shape.name} was trained for")
+    fitting = [r for r in rows if r.fits]
+    if base.fits:
+        verdict["lever"] = "none needed: the baseline fits"
+    elif fitting:
+        # Cheapest in precision given up: fewest weight bits lost plus cache bits lost, in that store's share.
+        def cost(r):
+            return (base.weight_bytes - r.weight_bytes) / base.total_bytes + \
+                (base.kv_bytes_at_context - r.kv_bytes_at_context) / base.total_bytes
+        best = min(fitting, key=cost)
+        verdict["lever"] = f"weights {best.weights}, KV {best.kv}"
+        verdict["lever_row"] = best.to_dict()
+    else:
+        nearest = max(rows, key=lambda r: (r.max_users, r.max_context))
+        verdict["lever"] = None
+        verdict["lever_row"] = nearest.to_dict()
+        verdict["nearest"] = (f"nothing fits {users} x {context} tokens in {memory / 2**30:.1f} GiB; nearest: weights "
+                              f"{nearest.weights}, KV {nearest.kv} serves {nearest.max_users} users at {context} "
+                              f"tokens or {users} users at {nearest.max_context} tokens")
+    chosen = verdict.get("lever_row") or base.to_dict()
+    return {"model": shape.name, "source": shape.source, "memory": memory, "context": context, "users": users,
+            "allowance_bytes": allowance, "rows": [r.to_dict() for r in rows], "verdict": verdict,
+            "flags": hand_off_flags(chosen, context, users, memory)}
+
+
+def hand_off_flags(row: dict, context: int, users: int, memory: int) -> dict:
+    """The same plan as vLLM and llama.cpp command-line settings."""
+    weights, kv = row["weights"], row["kv"]
+    vllm = [f"--max-model-len {context}", f"--max-num-seqs {users}",
+            f"--gpu-memory-utilization {min(0.95, max(0.05, row['total_bytes'] / memory)):.2f}"]
+    if weights.startswith("W4") or weights.startswith("W3") or weights.startswith("W2"):
+        vllm.insert(0, "--quantization gptq")
+    elif weights.startswith("W8"):
+        vllm.insert(0, "--quantization compressed-tensors")
+    vllm.append(f"--kv-cache-dtype {VLLM_KV[kv]}" if kv in VLLM_KV else
+                f"# vLLM has no {kv} KV cache; closest: --kv-cache-dtype fp8_e4m3")
+    cpp = [f"-c {context * users}", f"-np {users}"]
+    if kv in LLAMA_CPP_KV:
+        cpp += [f"-ctk {LLAMA_CPP_KV[kv]}", f"-ctv {LLAMA_CPP_KV[kv]}"]
+        if LLAMA_CPP_KV[kv].startswith("q"):
+            cpp.append("-fa on")  # llama.cpp quantizes the V cache only with flash attention
+    else:
+        cpp.append(f"# llama.cpp has no {kv} cache type; closest: -ctk q4_0 -ctv q4_0 -fa on")
+    return {"vllm": " ".join(vllm), "llama_cpp": " ".join(cpp)}

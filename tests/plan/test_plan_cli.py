@@ -1,0 +1,58 @@
+"""`paperback plan`: verdict, lever, flags, plot; bad input is a one-line error."""
+
+import json
+
+import pytest
+
+from paperback.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_worked_example_table_verdict_and_flags(capsys, tmp_path):
+    report = run_json(capsys, "llama-2-7b", "--memory", "80GiB", "--context", "4096", "--users", "8",
+                      "--plot", str(tmp_path / "plan.png"))
+    base = next(r for r in report["rows"] if r["weights"] == "fp16" and r["kv"] == "fp16")
+    assert base["kv_bytes_per_token"] == 524_288 and base["kv_bytes_at_context"] == 16 * 2 ** 30
+    assert base["fits"] and report["verdict"]["lever"].startswith("none needed")
+    assert "--max-model-len 4096 --max-num-seqs 8" in report["flags"]["vllm"]
+    assert "-c 32768 -np 8" in report["flags"]["llama_cpp"]
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_lever_when_the_baseline_does_not_fit(capsys):
+    report = run_json(capsys, "llama-3.1-8b", "--memory", "24GiB", "--context", "32768", "--users", "4")
+    verdict = report["verdict"]
+    assert not verdict["baseline_fits"] and verdict["bottleneck"] == "KV cache"
+    row = verdict["lever_row"]
+    assert row["fits"] and row["total_bytes"] <= 24 * 2 ** 30
+    # max users and context are the largest that fit
+    base = report["rows"][0]
+    assert base["max_users"] < 4 and base["max_context"] < 32768
+
+
+def test_nothing_fits_names_the_nearest(capsys):
+    report = run_json(capsys, "llama-3.1-70b", "--memory", "16GiB", "--context", "8192")
+    assert report["verdict"]["lever"] is None and "nearest" in report["verdict"]["nearest"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nonesuch", "--memory", "8GiB"], "neither a preset"),
+    (["llama-2-7b", "--memory", "0GiB"], "must be positive"),
+    (["llama-2-7b", "--memory", "8GiB", "--context", "0"], "must be positive"),
+    (["llama-2-7b", "--memory", "8GiB", "--kv", "int4:g=48"], "does not divide the head dimension 128"),
+    (["llama-2-7b", "--memory", "8GiB", "--weights", "W5"], "unknown weight scheme"),
+])
+def test_bad_input(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_missing_a_field(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
+    assert main(["plan", str(cfg), "--memory", "1GiB"]) == 2
+    assert "no 'num_hidden_layers'" in capsys.readouterr().err
