@@ -53,13 +53,8 @@ class KVPolicy:
         Counts each layer's recent window at `recent_bits` (what a served
         fp16/bf16 model holds it in); per-layer FP8 scales are left out.
         """
-        total = 0.0
-        for i in range(config.num_layers):
-            scheme = self.scheme_for(i)
-            group = scheme.flush_group
-            encoded = max(0, (tokens - scheme.residual) // group * group)
-            total += (encoded * scheme.bits_per_element(config.head_dim) + (tokens - encoded) * recent_bits) / tokens
-        return total / config.num_layers
+        return sum(self.scheme_for(i).stored_bits(tokens, config.head_dim, recent_bits)
+                   for i in range(config.num_layers)) / (tokens * config.num_layers)
 
     def to_dict(self, num_layers: int) -> dict:
         return {"default": self.default.to_dict(),

@@ -99,6 +99,15 @@ class KVScheme:
         key, value = self.codecs()
         return (key.bits_per_element(head_dim) + value.bits_per_element(head_dim)) / 2
 
+    def stored_bits(self, tokens: int, head_dim: int, recent_bits: int = 16) -> float:
+        """Total bits of one cached channel (keys and values averaged) over `tokens` tokens.
+
+        Tokens older than the recent window are encoded in whole flush groups;
+        the rest are held at `recent_bits` (a served fp16/bf16 model's dtype).
+        """
+        encoded = max(0, (tokens - self.residual) // self.flush_group * self.flush_group)
+        return encoded * self.bits_per_element(head_dim) + (tokens - encoded) * recent_bits
+
     def to_dict(self) -> dict:
         return {"label": self.label, **asdict(self)}
 

@@ -69,8 +69,12 @@ def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme = "fp16") -> float:
 
 
 def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users: int = 1) -> float:
-    """Cache bytes of `users` sequences of `context` tokens; sliding layers hold at most their window."""
+    """Cache bytes of `users` sequences of `context` tokens.
+
+    Sliding layers hold at most their window; formats with an exact recent
+    window hold it at 16 bits (`KVScheme.stored_bits`, as the KV cache counts).
+    """
     scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
-    per_layer_token = 2 * shape.num_kv_heads * shape.head_dim * scheme.bits_per_element(shape.head_dim) / 8
-    tokens = sum(min(context, w) if w else context for w in shape.layer_windows)
-    return users * per_layer_token * tokens
+    channels = 2 * shape.num_kv_heads * shape.head_dim
+    bits = sum(scheme.stored_bits(min(context, w) if w else context, shape.head_dim) for w in shape.layer_windows)
+    return users * channels * bits / 8

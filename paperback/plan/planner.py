@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from paperback.errors import PaperbackError
 from paperback.kv.schemes import parse_kv_scheme
-from paperback.plan.arithmetic import kv_bytes, weight_bytes
+from paperback.plan.arithmetic import kv_bytes, kv_bytes_per_token, weight_bytes
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
@@ -97,7 +97,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
             cache = kv_bytes(shape, context, kv, users)
             total = fixed + cache
             rows.append(PlanRow(
-                w_label, kv, w.total, w.quantized_overhead, kv_bytes(shape, 1, kv), cache,
+                w_label, kv, w.total, w.quantized_overhead, kv_bytes_per_token(shape, kv), cache,
                 kv_bytes(shape, 4096, kv), kv_bytes(shape, 32768, kv), total, memory - total, total <= memory,
                 max(0, _max_fitting(1, longest, lambda c: fits(c, users))),
                 max(0, _max_fitting(1, 1 << 20, lambda n: fits(context, n)))))
