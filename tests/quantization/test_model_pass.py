@@ -30,34 +30,32 @@ def test_rtn_pass_quantizes_every_block_linear_in_place(tmp_path):
     assert torch.equal(lm.model.model.embed_tokens.weight, embed_before)  # not a target by default
 
 
-def test_gptq_pass_tracks_the_model_better_than_rtn(tmp_path):
+def held_out_errors(tmp_path, configs: dict) -> dict:
+    """Logit error on held-out tokens of the tiny model quantized by each config (same calibration for all)."""
     ref = tiny(tmp_path)
     torch.manual_seed(0)
     # Calibration and evaluation share a token distribution but not the tokens.
     calib = torch.randint(0, 512, (16, 64))
     held_out = torch.randint(0, 512, (4, 64))
     errors = {}
-    for method in ("rtn", "gptq"):
+    for name, config in configs.items():
         lm = tiny(tmp_path)
-        quantize_model(lm.model, QuantizeConfig(method, QuantScheme(3, 32), GPTQConfig(act_order=True)),
-                       calibration=calib, progress=False)
-        errors[method] = logits_error(lm, ref, held_out)
+        quantize_model(lm.model, config, calibration=calib, progress=False)
+        assert lm.model.dtype == torch.float32  # the model itself stays in fp32
+        errors[name] = logits_error(lm, ref, held_out)
+    return errors
+
+
+def test_gptq_pass_tracks_the_model_better_than_rtn(tmp_path):
+    errors = held_out_errors(tmp_path, {m: QuantizeConfig(m, QuantScheme(3, 32), GPTQConfig(act_order=True))
+                                        for m in ("rtn", "gptq")})
     assert errors["gptq"] < 0.8 * errors["rtn"]
 
 
 def test_bf16_calibration_forwards_quantize_as_well_as_fp32(tmp_path):
     """Autocast forwards change the Hessians by bf16 rounding only: the result tracks the model as well."""
-    ref = tiny(tmp_path)
-    torch.manual_seed(0)
-    calib = torch.randint(0, 512, (16, 64))
-    held_out = torch.randint(0, 512, (4, 64))
-    errors = {}
-    for dtype in ("fp32", "bf16"):
-        lm = tiny(tmp_path)
-        quantize_model(lm.model, QuantizeConfig("gptq", QuantScheme(3, 32), forward_dtype=dtype),
-                       calibration=calib, progress=False)
-        assert lm.model.dtype == torch.float32  # the model itself is left in fp32
-        errors[dtype] = logits_error(lm, ref, held_out)
+    errors = held_out_errors(tmp_path, {d: QuantizeConfig("gptq", QuantScheme(3, 32), forward_dtype=d)
+                                        for d in ("fp32", "bf16")})
     assert errors["bf16"] < 1.1 * errors["fp32"]
 
 
