@@ -80,8 +80,11 @@ class LLMEngine:
         quantized = any(not s.is_native for s in schemes)
         stage_blocks = 0
         per_block = block_bytes(config, policy, block_size)
-        if quantized:  # exact blocks for the recent windows of the running sequences (and their forks)
-            stage_blocks = 2 * scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual)
+        if quantized:
+            # Exact blocks for the recent windows of the running sequences (twice the cap: forks of n > 1
+            # join the running set), plus the blocks one step's new tokens fill before they are encoded.
+            stage_blocks = (2 * scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual)
+                            + -(-scheduler.max_step_tokens // block_size))
         stage_bytes = stage_blocks * 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size \
             * dtype_bytes(self.model.dtype)
         if num_blocks is None:

@@ -108,6 +108,17 @@ class KVScheme:
         encoded = max(0, (tokens - self.residual) // self.flush_group * self.flush_group)
         return encoded * self.bits_per_element(head_dim) + (tokens - encoded) * recent_bits
 
+    def paged_bits(self, tokens: int, head_dim: int, block_size: int = 16, recent_bits: int = 16) -> float:
+        """stored_bits as the paged engine holds them: whole blocks in the format for every token, plus,
+        for quantized formats, the tokens not yet encoded in exact staging at `recent_bits`."""
+        block = math.lcm(block_size, self.flush_group)
+        slots = -(-tokens // block) * block
+        if self.is_native:
+            return slots * self.bits_per_element(head_dim)
+        encoded = max(0, (tokens - self.residual) // block * block)
+        staged = -(-(tokens - encoded) // block) * block
+        return slots * self.bits_per_element(head_dim) + staged * recent_bits
+
     def to_dict(self) -> dict:
         return {"label": self.label, **asdict(self)}
 

@@ -68,13 +68,19 @@ def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme = "fp16") -> float:
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * scheme.bits_per_element(shape.head_dim) / 8
 
 
-def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users: int = 1) -> float:
-    """Cache bytes of `users` sequences of `context` tokens.
+def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users: int = 1,
+             block_size: int = 16) -> float:
+    """Cache bytes of `users` sequences of `context` tokens, as the paged engine holds them.
 
-    Sliding layers hold at most their window; formats with an exact recent
-    window hold it at 16 bits (`KVScheme.stored_bits`, as the KV cache counts).
+    Whole blocks (`block_size`, or the format's token group if larger);
+    quantized formats also hold their not-yet-encoded recent tokens exact at
+    16 bits (`KVScheme.paged_bits`). Sliding layers count at most their
+    window, which is what an engine that frees blocks sliding out of the
+    window holds; paperback's engine does not free them yet, so past the
+    window it holds more (benchmarks/bench_plan.py shows how much).
     """
     scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
     channels = 2 * shape.num_kv_heads * shape.head_dim
-    bits = sum(scheme.stored_bits(min(context, w) if w else context, shape.head_dim) for w in shape.layer_windows)
+    bits = sum(scheme.paged_bits(min(context, w) if w else context, shape.head_dim, block_size)
+               for w in shape.layer_windows)
     return users * channels * bits / 8

@@ -1,0 +1,125 @@
+"""The planner's predictions against the paged engine's measured memory, line by line.
+
+    .venv/bin/python benchmarks/bench_plan.py [--models smollm2 gemma3] [--kv fp16 int8 kivi2]
+        [--contexts 1024 4096] [--users 1 4]
+
+For each model, KV format, context and number of users, `paperback plan`'s
+arithmetic predicts the weight bytes and the KV bytes of `users`
+conversations of `context` tokens. The engine (bf16 weights and activations,
+so its exact recent windows are 16-bit as the plan counts them) then runs
+exactly that workload (prompts of context - 16 tokens, 16 generated) and we
+measure: the weights' bytes (every parameter and packed buffer), the KV bytes
+its sequences hold at the end (blocks in use x each block's bytes in every
+layer's format, plus the staging slots in use), and the process's peak RSS
+beside the plan's total with its runtime allowance. Each configuration runs
+in its own process. Writes benchmarks/results/plan_check.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def worker(model: str, kv: str, context: int, users: int) -> dict:
+    import torch
+
+    from paperback.engine.llm import LLMEngine
+    from paperback.engine.scheduler import SchedulerConfig
+    from paperback.evaluation import load_text
+    from paperback.generation.sampling import SamplingParams
+    from paperback.loading import load_model
+    from paperback.memory import module_bytes
+    from paperback.plan.arithmetic import kv_bytes, weight_bytes
+    from paperback.plan.planner import runtime_allowance
+    from paperback.plan.shape import load_shape
+
+    lm = load_model(model, "bf16")
+    shape = load_shape(model)
+    blocks_needed = users * -(-context // 16) + users * 2
+    engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed * 2, prefix_caching=False,
+                       scheduler=SchedulerConfig(users, 1024))
+    ids = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
+    measured_kv = 0
+
+    def held_bytes() -> int:
+        pool = engine.pool
+        block = sum(t[0].numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
+        stage = sum(layer.stage_keys[0].numel() * layer.stage_keys.element_size() * 2
+                    for layer in pool.layers if not layer.native)
+        staged = sum(len(state.stage) for state in pool.seqs.values())
+        return engine.blocks.num_used * block + staged * stage
+
+    for u in range(users):
+        engine.add_request(ids[u * context:(u + 1) * context - 16], SamplingParams(max_tokens=16, ignore_eos=True))
+    with torch.inference_mode():
+        while engine.scheduler.has_work:
+            if all(s.num_computed == s.num_tokens - 1 and len(s.output_ids) == 15 for s in engine.scheduler.running) \
+                    and len(engine.scheduler.running) == users:
+                measured_kv = held_bytes()  # every sequence at context - 1 tokens computed
+            engine.step()
+    predicted_kv = kv_bytes(shape, context - 1, kv, users)
+    rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+               if line.startswith("VmHWM:"))
+    predicted_weights = weight_bytes(shape, "bf16").total
+    return {"model": model, "kv": kv, "context": context, "users": users,
+            "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),
+            "kv_predicted": predicted_kv, "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
+            "total_predicted": predicted_weights + predicted_kv + runtime_allowance(shape),
+            "peak_rss": rss}
+
+
+def run() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    parser.add_argument("--kv", nargs="+", default=["fp16", "int8", "kivi2"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--users", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        model, kv, context, users = args.worker
+        print(json.dumps(worker(model, kv, int(context), int(users))))
+        return 0
+
+    from paperback.cli.output import print_table
+
+    rows = []
+    for model in args.models:
+        for kv in args.kv:
+            for context in args.contexts:
+                for users in args.users:
+                    proc = subprocess.run([sys.executable, __file__, "--worker", model, kv, str(context), str(users)],
+                                          capture_output=True, text=True)
+                    if proc.returncode:
+                        sys.stderr.write(proc.stderr[-3000:])
+                        raise SystemExit(f"worker {model} {kv} {context} x {users} failed")
+                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                    print(json.dumps(rows[-1]), flush=True)
+    mib = 2 ** 20
+
+    def ratio(a, b):
+        return f"{a / b:.3f}" if b else "-"
+
+    print_table("predicted (paperback plan) vs measured (engine, bf16), MiB",
+                ["model", "KV", "context", "users", "weights pred", "weights meas", "ratio", "KV pred", "KV meas",
+                 "ratio", "total pred", "peak RSS"],
+                [[r["model"], r["kv"], r["context"], r["users"], f"{r['weights_predicted'] / mib:.1f}",
+                  f"{r['weights_measured'] / mib:.1f}", ratio(r["weights_measured"], r["weights_predicted"]),
+                  f"{r['kv_predicted'] / mib:.2f}", f"{r['kv_measured'] / mib:.2f}",
+                  ratio(r["kv_measured"], r["kv_predicted"]), f"{r['total_predicted'] / mib:.0f}",
+                  f"{r['peak_rss'] / mib:.0f}"] for r in rows])
+    out = RESULTS / "plan_check.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
