@@ -108,9 +108,9 @@ def load_shape(spec: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
-        from paperback.loading import load_model
+        from paperback.loading.gguf_file import GGUFModelFile
 
-        config = load_model(str(path), with_tokenizer=False).config
+        config = GGUFModelFile(path).config()  # metadata only: the tensors are never read
         return ModelShape(name=path.name, num_layers=config.num_layers, hidden_size=config.hidden_size,
                           intermediate_size=config.intermediate_size, num_heads=config.num_heads,
                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,

@@ -63,3 +63,11 @@ def test_plan_matches_the_bundled_models(smollm2):
     shape = load_shape("smollm2")
     assert kv_bytes_per_token(shape, "fp16") == engine_kv_bytes(smollm2.config, torch.float16)
     assert weight_bytes(shape, "fp32").total == sum(p.numel() for p in smollm2.model.parameters()) * 4
+
+
+def test_gguf_metadata_gives_the_same_shape_as_the_preset(smollm2):
+    from_file = load_shape(str(smollm2.source.path))
+    preset = load_shape("smollm2")
+    for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "tie_word_embeddings", "layer_windows"):
+        assert getattr(from_file, field) == getattr(preset, field), field
