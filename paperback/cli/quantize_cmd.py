@@ -32,6 +32,9 @@ def register(sub) -> None:
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: visit columns by decreasing Hessian diagonal, with static groups (default on)")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of mean(diag H)")
+    p.add_argument("--true-sequential", action="store_true",
+                   help="GPTQ: quantize q/k/v, o, gate/up, down in turn, each on inputs through the quantized "
+                        "ones before it")
     p.add_argument("--forward-dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="GPTQ: precision of the calibration forwards' matmuls; auto = bf16 where the hardware has "
                         "native bf16 (AVX512-BF16, CUDA), else fp32. Hessians and updates stay fp32/fp64")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
     awq = AWQConfig(clip=not args.no_clip, search_samples=args.awq_samples)
-    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order), awq,
+    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order,
+                                                    true_sequential=args.true_sequential), awq,
                             parse_targets(args.targets), forward_dtype=args.forward_dtype)
     # AWQ searches on fewer sequences; the recipe records what was used.
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples

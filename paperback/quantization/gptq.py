@@ -26,6 +26,9 @@ class GPTQConfig:
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True  # visit columns by decreasing Hessian diagonal (static groups); see README
+    # Quantize a block's linears in the order they run (q/k/v, o, gate/up, down), each with a Hessian of
+    # inputs computed through the already-quantized ones before it (AutoGPTQ's true_sequential).
+    true_sequential: bool = False
 
     def __post_init__(self):
         if not 0 < self.damp < 1:

@@ -48,6 +48,15 @@ def parse_targets(spec: str) -> tuple[str, ...]:
     if not targets:
         raise PaperbackError("no quantization targets given")
     return tuple(dict.fromkeys(targets))
+# The order a block's linears run in, grouped by the input they share (true-sequential GPTQ).
+SEQUENTIAL_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+class _InputsCaptured(Exception):
+    """Raised by a capture hook to stop a block's forward once the wanted inputs are seen."""
+
+
 # Linears that read the same input share one Hessian: accumulated once, not once per linear.
 INPUT_OF = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
             "mlp.up_proj": "mlp.gate_proj"}
@@ -164,23 +173,38 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
     for idx, layer in enumerate(layers):
         cos, sin = model.rotary_for(idx)(positions, dtype)
         targets = _targets(layer, config)
-        # One accumulator per distinct input, hooked on the module that reads it.
-        readers = {INPUT_OF.get(name, name) for name in targets}
-        accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features)
-                        for name in readers}
-        hooks = [layer.get_submodule(name).register_forward_pre_hook(
-                     lambda _m, args, acc=acc: acc.add_batch(args[0])) for name, acc in accumulators.items()]
-        try:
-            with _autocast(device, low):
-                for x in hidden:
-                    layer(x, cos, sin, 0, None)
-        finally:
-            for h in hooks:
-                h.remove()
-        for name, module in targets.items():
-            q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H, config.scheme, config.gptq)
-            _set_weight(module, q)
-            results[f"model.layers.{idx}.{name}.weight"] = q
+        groups = ([[n for n in group if n in targets] for group in SEQUENTIAL_GROUPS]
+                  if config.gptq.true_sequential else [list(targets)])
+        for group in filter(None, groups):
+            # One accumulator per distinct input, hooked on the module that reads it; a true-sequential
+            # group stops the forward once its input is captured.
+            readers = {INPUT_OF.get(name, name) for name in group}
+            accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in readers}
+            stop = config.gptq.true_sequential
+
+            def capture(_m, args, acc):
+                acc.add_batch(args[0])
+                if stop:
+                    raise _InputsCaptured
+
+            hooks = [layer.get_submodule(name).register_forward_pre_hook(
+                         lambda m, args, acc=acc: capture(m, args, acc)) for name, acc in accumulators.items()]
+            try:
+                with _autocast(device, low):
+                    for x in hidden:
+                        try:
+                            layer(x, cos, sin, 0, None)
+                        except _InputsCaptured:
+                            pass
+            finally:
+                for h in hooks:
+                    h.remove()
+            for name in group:
+                module = targets[name]
+                q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H, config.scheme,
+                                  config.gptq)
+                _set_weight(module, q)
+                results[f"model.layers.{idx}.{name}.weight"] = q
         with _autocast(device, low):  # inputs of the next block, post-quantization
             hidden = [layer(x, cos, sin, 0, None).to(dtype) for x in hidden]
         bar.update()

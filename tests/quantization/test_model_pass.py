@@ -52,6 +52,16 @@ def test_gptq_pass_tracks_the_model_better_than_rtn(tmp_path):
     assert errors["gptq"] < 0.8 * errors["rtn"]
 
 
+def test_true_sequential_gptq_quantizes_each_linear_on_quantized_inputs(tmp_path):
+    errors = held_out_errors(tmp_path, {
+        "rtn": QuantizeConfig("rtn", QuantScheme(3, 32)),
+        "gptq": QuantizeConfig("gptq", QuantScheme(3, 32)),
+        "sequential": QuantizeConfig("gptq", QuantScheme(3, 32), GPTQConfig(true_sequential=True)),
+    })
+    assert errors["sequential"] != errors["gptq"]  # o/gate/up/down saw different (quantized) inputs
+    assert errors["sequential"] < 0.8 * errors["rtn"]
+
+
 def test_bf16_calibration_forwards_quantize_as_well_as_fp32(tmp_path):
     """Autocast forwards change the Hessians by bf16 rounding only: the result tracks the model as well."""
     errors = held_out_errors(tmp_path, {d: QuantizeConfig("gptq", QuantScheme(3, 32), forward_dtype=d)
