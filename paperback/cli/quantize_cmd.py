@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
     awq = AWQConfig(clip=not args.no_clip, search_samples=args.awq_samples)
-    config = QuantizeConfig(args.method, scheme, GPTQConfig(damp=args.damp, act_order=args.act_order,
-                                                    true_sequential=args.true_sequential), awq,
-                            parse_targets(args.targets), forward_dtype=args.forward_dtype)
+    gptq = GPTQConfig(damp=args.damp, act_order=args.act_order, true_sequential=args.true_sequential)
+    config = QuantizeConfig(args.method, scheme, gptq, awq, parse_targets(args.targets),
+                            forward_dtype=args.forward_dtype)
     # AWQ searches on fewer sequences; the recipe records what was used.
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
     calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
@@ -75,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     quantized = quantize_model(lm.model, config, calibration, progress=not args.json)
     seconds = time.perf_counter() - start
     swap_in_quantized(lm.model, quantized)
+    forward_dtype = "bf16" if autocast_dtype(config, lm.model.output_weight().device) else "fp32"
     recipe = {
         "source_model": str(lm.source.path),
         "method": args.method,
         "scheme": scheme.to_dict(),
-        "gptq": {**asdict(config.gptq), "forward_dtype": "bf16" if autocast_dtype(config, lm.model.output_weight().device) else "fp32"} if args.method == "gptq" else None,
+        "gptq": {**asdict(config.gptq), "forward_dtype": forward_dtype} if args.method == "gptq" else None,
         "awq": config.awq.to_dict() if args.method == "awq" else None,
         "modules": list(config.targets),
         "calibration": calib_cfg.to_dict() if args.method != "rtn" else None,
