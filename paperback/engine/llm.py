@@ -81,9 +81,9 @@ class LLMEngine:
         stage_blocks = 0
         per_block = block_bytes(config, policy, block_size)
         if quantized:
-            # Exact blocks for the recent windows of the running sequences (twice the cap: forks of n > 1
-            # join the running set), plus the blocks one step's new tokens fill before they are encoded.
-            stage_blocks = (2 * scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual)
+            # Exact blocks for the recent window of every running sequence (the scheduler counts a request's
+            # n forks before admitting it), plus the blocks one step's new tokens fill before they are encoded.
+            stage_blocks = (scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual)
                             + -(-scheduler.max_step_tokens // block_size))
         stage_bytes = stage_blocks * 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size \
             * dtype_bytes(self.model.dtype)

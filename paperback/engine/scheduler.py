@@ -88,6 +88,9 @@ class Scheduler:
         self.steps = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.params.n > self.config.max_num_seqs:
+            raise PaperbackError(f"n = {seq.params.n} completions exceed the engine's {self.config.max_num_seqs} "
+                                 f"running sequences")
         if self.blocks.blocks_needed(seq.num_tokens + seq.params.max_tokens) > self.blocks.num_blocks:
             raise PaperbackError(f"request {seq.request_id} needs more KV blocks than the whole pool holds "
                                  f"({seq.num_tokens} + {seq.params.max_tokens} tokens)")
@@ -142,9 +145,11 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 work.append((seq, new))
                 budget -= new
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq.tokens):
+            # A request of n completions forks into n sequences after its prefill: count them all now.
+            if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
+                    not self.blocks.can_allocate(seq.tokens):
                 break
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
@@ -156,6 +161,10 @@ class Scheduler:
             budget -= new
         # A preempted sequence's copies would write into blocks it no longer owns.
         return ScheduledStep(work, [(src, dst) for s, src, dst in copies if s not in preempted], preempted)
+
+    def _width(self, seq: Sequence) -> int:
+        """Sequences this one will be once forked: n before its first token, 1 after."""
+        return seq.params.n if not seq.output_ids else 1
 
     @property
     def has_work(self) -> bool:

@@ -173,3 +173,17 @@ def test_weight_quantized_model_runs_unchanged(tmp_path):
     outs = {o.request_id: o for o in engine.run()}
     same = sum(outs[i].outputs[0].token_ids == reference(lm.model, p, 10) for i, p in zip(ids, ps))
     assert same >= 5  # int8 KV keeps the greedy answers of the quantized model itself
+
+
+def test_n_counts_against_the_running_cap(tiny32):
+    from paperback.errors import PaperbackError
+
+    engine = LLMEngine(tiny32, kv="kivi2", num_blocks=64, scheduler=SchedulerConfig(4, 64))
+    with pytest.raises(PaperbackError, match="exceed the engine's 4 running"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, n=5))
+    # Two requests of n=3 cannot run together under a cap of 4: the second waits, and both finish.
+    for _ in range(2):
+        engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0))
+    outs = engine.run()
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    assert engine.pool.stage_free and not engine.pool.seqs
