@@ -17,7 +17,8 @@ COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, quantize_cmd, serve_cmd
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paperback",
-        description="Run large language models lighter: load, generate, evaluate and benchmark.",
+        description="Run large language models lighter: load, generate, evaluate, benchmark, quantize weights "
+                    "and KV cache, serve an OpenAI-compatible API, plan memory.",
     )
     parser.add_argument("--version", action="version", version=f"paperback {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
