@@ -47,8 +47,8 @@ SWEEP = {
     "int": ["int4:bits=8", "int4", "int4:bits=3", "int2", "int2:bits=1"],
     "kivi": ["kivi4:bits=8", "kivi4", "kivi2:bits=3", "kivi2", "kivi2:bits=1"],
     "fp8": ["fp8-e4m3:scale=calibrated", "fp8-e5m2:scale=calibrated"],
-    "pnmix": ["pnmix:top=16", "pnmix:top=8", "pnmix", "pnmix:top=2", "pnmix:lo=1,top=12", "pnmix:lo=1,top=8",
-              "pnmix:lo=1,top=4"],
+    "pnmix": ["pnmix:top=16", "pnmix:top=8", "pnmix", "pnmix:top=2"],
+    "pnmix-lo1": ["pnmix:lo=1,top=12", "pnmix:lo=1,top=8", "pnmix:lo=1,top=4"],
 }
 NEEDLE_LENGTHS = [2048, 4096, 8000]
 NEEDLE_DEPTHS = [0.1, 0.5, 0.9]
@@ -145,9 +145,15 @@ class Bench:
                                                                        self.args.sweep_windows)}
                     self.save()
                     _log(cells[spec])
-        self.report["breakdown"] = {family: breakdown([cells[s] for s in specs if s in cells])
-                                    for family, specs in SWEEP.items()}
+        set_breakdown(self.report)
         self.save()
+
+
+def set_breakdown(report: dict) -> None:
+    """Knee and recommendation of every sweep family (from SWEEP, so regrouping needs no rerun)."""
+    cells = report.get("sweep", {})
+    report["breakdown"] = {family: breakdown([cells[s] for s in specs if s in cells])
+                           for family, specs in SWEEP.items() if any(s in cells for s in specs)}
 
 
 def _buckets(values: list[float]) -> list[float]:
@@ -172,8 +178,8 @@ def plot(report: dict, model: str) -> list[Path]:
     sweep = report.get("sweep", {})
     if sweep:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for family in SWEEP:
-            pts = sorted((c for c in sweep.values() if c["family"] == family), key=lambda c: c["bits_per_element"])
+        for family, specs in SWEEP.items():
+            pts = sorted((sweep[s] for s in specs if s in sweep), key=lambda c: c["bits_per_element"])
             if not pts:
                 continue
             bits = [c["bits_per_element"] for c in pts]
@@ -233,7 +239,10 @@ def run() -> int:
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
     if args.part == ["plot"]:
-        report = json.loads((RESULTS / f"kv_{args.model}.json").read_text())
+        path = RESULTS / f"kv_{args.model}.json"
+        report = json.loads(path.read_text())
+        set_breakdown(report)
+        path.write_text(json.dumps(report, indent=2))
         for path in plot(report, args.model):
             print(f"wrote {path}")
         return 0
