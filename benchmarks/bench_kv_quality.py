@@ -209,9 +209,11 @@ def plot(report: dict, model: str) -> list[Path]:
     positions = report.get("positions", {})
     if positions:
         fig, ax = plt.subplots(figsize=(8, 4.2))
-        for spec, c in positions.items():
-            xs = [(i + 0.5) * c["bucket"] for i in range(len(c["position_kl"]))]
-            ax.plot(xs, [max(v, 1e-7) for v in c["position_kl"]], "-", label=c["label"])
+        colors = plt.get_cmap("tab20").colors
+        for i, (spec, c) in enumerate(positions.items()):
+            xs = [(j + 0.5) * c["bucket"] for j in range(len(c["position_kl"]))]
+            ax.plot(xs, [max(v, 1e-7) for v in c["position_kl"]], "-", color=colors[i % len(colors)],
+                    ls="-" if i < len(colors) else "--", label=spec)
         ax.set_yscale("log")
         ax.set_xlabel("position in the window (tokens)")
         ax.set_ylabel("mean KL to the exact cache, per 512 tokens")
