@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from results_io import write_results
 
 
 def peak_rss_mib() -> float:
@@ -111,12 +111,9 @@ def run() -> int:
                   r["max_num_seqs"], f"{r['output_tokens_per_s']:.1f}", f"{r['output_tokens_per_s'] / base:.2f}x",
                   f"{r['median_ttft_s']:.2f}", f"{r['kv_pool_bytes'] / 2**20:.0f}" if r["kv_pool_bytes"] else "-",
                   f"{r['peak_rss_mib']:.0f}"] for r in rows])
-    out = RESULTS / f"engine_{args.model}.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
-                               "output_tokens": args.output_tokens, "threads": torch.get_num_threads(),
-                               "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(f"engine_{args.model}.json",
+                  {"model": args.model, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+                   "output_tokens": args.output_tokens, "threads": torch.get_num_threads(), "rows": rows})
     return 0
 
 

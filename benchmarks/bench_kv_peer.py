@@ -23,11 +23,10 @@ import math
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+from results_io import write_results
 CONFIGS = [  # (tool, setting)
     ("paperback", "fp16"), ("paperback", "int4"), ("paperback", "kivi2"),
     ("transformers", "dynamic"), ("transformers", "quanto-4"), ("transformers", "quanto-2"),
@@ -163,12 +162,9 @@ def run() -> int:
                   f"{r['speed_decode_tokens_per_s']:.1f}" if "speed_decode_tokens_per_s" in r else "-",
                   f"{r['speed_decode_tokens_per_s'] / base[r['tool']]:.2f}x"
                   if "speed_decode_tokens_per_s" in r and base.get(r["tool"]) else "-"] for r in rows])
-    out = RESULTS / f"kv_peer_{args.model}.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "context": args.context, "windows": args.windows, "chunk": CHUNK,
-                               "decode_context": args.decode_context, "threads": torch.get_num_threads(),
-                               "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(f"kv_peer_{args.model}.json",
+                  {"model": args.model, "context": args.context, "windows": args.windows, "chunk": CHUNK,
+                   "decode_context": args.decode_context, "threads": torch.get_num_threads(), "rows": rows})
     return 0
 
 

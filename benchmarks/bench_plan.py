@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from results_io import write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -114,10 +114,7 @@ def run() -> int:
                   f"{r['kv_predicted'] / mib:.2f}", f"{r['kv_measured'] / mib:.2f}",
                   ratio(r["kv_measured"], r["kv_predicted"]), f"{r['total_predicted'] / mib:.0f}",
                   f"{r['peak_rss'] / mib:.0f}"] for r in rows])
-    out = RESULTS / "plan_check.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results("plan_check.json", {"rows": rows})
     return 0
 
 
