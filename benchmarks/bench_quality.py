@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from paperback.quantization import GPTQConfig, QuantScheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, parse_targets, quantize_model
+from paperback.plan.planner import parse_weight_scheme
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_SCHEMES = ["W8s-ch", "W4a-g64", "W4a-g128", "W3a-g64", "W3a-g128", "W2a-g64"]
@@ -47,11 +47,10 @@ SOURCE_GRID = {"smollm2": "Q4_1 (4-bit asymmetric, blocks of 32)",
 
 def parse_scheme(label: str) -> QuantScheme:
     """'W4a-g128' -> 4 bits, asymmetric, groups of 128; 'W8s-ch' -> symmetric per output channel."""
-    m = re.fullmatch(r"W(\d)([as])-(ch|g\d+)", label)
-    if not m:
+    scheme = parse_weight_scheme(label) if label.startswith("W") else None
+    if not isinstance(scheme, QuantScheme):
         raise SystemExit(f"bad scheme label {label!r} (like W4a-g128 or W8s-ch)")
-    group = None if m[3] == "ch" else int(m[3][1:])
-    return QuantScheme(int(m[1]), group, m[2] == "s")
+    return scheme
 
 
 def aligned_with_source(scheme: QuantScheme) -> bool:
