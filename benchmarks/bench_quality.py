@@ -65,7 +65,8 @@ def bits_per_weight(quantized: dict) -> float:
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
-    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"])
+    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
+                        help="rtn, gptq, awq, or gptq-ts (GPTQ with true-sequential order)")
     parser.add_argument("--schemes", nargs="+", default=DEFAULT_SCHEMES)
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
     parser.add_argument("--windows", type=int, default=32, help="windows of --context tokens per data set")
@@ -104,14 +105,17 @@ def run() -> int:
                 if (method, label, args.targets) in done:
                     continue
                 model = copy.deepcopy(reference)
-                config = QuantizeConfig(method, scheme, GPTQConfig(), AWQConfig(), parse_targets(args.targets))
+                # "gptq-ts": GPTQ quantizing q/k/v, o, gate/up, down in turn (true sequential)
+                gptq = GPTQConfig(true_sequential=method == "gptq-ts")
+                config = QuantizeConfig(method.removesuffix("-ts"), scheme, gptq, AWQConfig(),
+                                        parse_targets(args.targets))
                 start = time.perf_counter()
                 quantized = quantize_model(model, config, calibration if method != "rtn" else None)
                 seconds = time.perf_counter() - start
                 cell = {"method": method, "scheme": label, "targets": args.targets,
                         "bits_per_weight": bits_per_weight(quantized), "quantize_seconds": seconds,
                         "aligned_with_source": aligned_with_source(scheme)}
-                if method == "gptq":  # calibration forwards in bf16 where native (see QuantizeConfig)
+                if config.method == "gptq":  # calibration forwards in bf16 where native (see QuantizeConfig)
                     cell["forward_dtype"] = "bf16" if autocast_dtype(config, torch.device("cpu")) else "fp32"
                 for name, tokens in texts.items():
                     r = evaluate(model, tokens, args.context, None, reference, args.windows, dataset=name,

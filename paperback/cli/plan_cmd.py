@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--memory", required=True, help="device memory, like 24GiB or 80GB")
     p.add_argument("--context", type=int, default=4096, help="tokens per conversation (default 4096)")
     p.add_argument("--users", type=int, default=1, help="concurrent conversations (default 1)")
-    p.add_argument("--weights", nargs="+", default=None, help="weight schemes (default fp16 W8 W4 W3)")
+    p.add_argument("--weights", nargs="+", default=None, help="weight schemes (default fp16 W8 W4 W3; for a quantized "
+                                                                  "checkpoint, its own scheme plus these)")
     p.add_argument("--kv", nargs="+", default=None, help="KV formats (default fp16 fp8 int8 int4 kivi2)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk the activation allowance is sized for")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of memory against context per scheme")
@@ -40,8 +41,16 @@ def run(args: argparse.Namespace) -> int:
 
         raise PaperbackError("--context and --users must be positive")
     shape = load_shape(args.model)
-    report = plan(shape, memory, args.context, args.users, tuple(args.weights or WEIGHT_SCHEMES),
-                  tuple(args.kv or KV_FORMATS), args.chunk)
+    weights, known = tuple(args.weights or WEIGHT_SCHEMES), {}
+    if (Path(args.model) / "recipe.json").is_file():  # a quantized checkpoint: its own weights come first
+        from paperback.plan.arithmetic import checkpoint_weight_bytes
+
+        label, stored = checkpoint_weight_bytes(Path(args.model))
+        label = f"{label} (this checkpoint)"
+        known[label] = stored
+        weights = (label,) + tuple(args.weights or ())
+    report = plan(shape, memory, args.context, args.users, weights, tuple(args.kv or KV_FORMATS), args.chunk,
+                  known)
     if args.plot:
         write_plot(shape, report, args.plot)
     if args.json:
@@ -62,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     verdict = report["verdict"]
     if "warning" in verdict:
         note(f"warning: {verdict['warning']}")
-    note(f"bottleneck at fp16: {verdict['bottleneck']}")
+    base = report["rows"][0]
+    note(f"bottleneck with {base['weights']} weights and a {base['kv']} cache: {verdict['bottleneck']}")
     note(f"lever: {verdict['lever']}" if verdict["lever"] else verdict["nearest"])
     note(f"vLLM: vllm serve MODEL {report['flags']['vllm']}")
     note(f"llama.cpp: llama-server -m MODEL.gguf {report['flags']['llama_cpp']}")

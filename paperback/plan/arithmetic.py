@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from paperback.kv.schemes import KVScheme, parse_kv_scheme
 from paperback.plan.shape import ModelShape
@@ -60,6 +61,42 @@ def weight_bytes(shape: ModelShape, scheme: str | QuantScheme = "fp16") -> Weigh
     if shape.num_experts > 1:
         other += shape.num_layers * shape.num_experts * h  # router
     return WeightBytes(codes, overhead, other * other_bits // 8)
+
+
+SAFETENSORS_ITEMSIZE = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
+
+
+def checkpoint_weight_bytes(directory: Path, other_bits: int = 16) -> tuple[str, WeightBytes]:
+    """A paperback checkpoint's weights as they will sit in memory, from its safetensors header only.
+
+    Packed codes, scales and zero points count at their stored size; every
+    other tensor (embeddings, norms, biases) at `other_bits`, the dtype they
+    are loaded in. Returns the checkpoint's scheme label ("W4a-g128", or
+    "mixed" when its layers differ) and the bytes.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from paperback.errors import ModelFileError
+    from paperback.quantization.checkpoint import WEIGHTS_FILE, quantized_layers, read_recipe
+
+    directory = Path(directory)
+    schemes = {s.label for s in quantized_layers(read_recipe(directory)).values()}
+    codes = overhead = other = 0
+    try:
+        with safe_open(str(directory / WEIGHTS_FILE), framework="numpy") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                numel = math.prod(tensor.get_shape())
+                if name.endswith(".qweight"):
+                    codes += numel * SAFETENSORS_ITEMSIZE[tensor.get_dtype()]
+                elif name.endswith((".scales", ".qzeros")):
+                    overhead += numel * SAFETENSORS_ITEMSIZE[tensor.get_dtype()]
+                else:
+                    other += numel * other_bits // 8
+    except (OSError, SafetensorError) as exc:
+        raise ModelFileError(f"{directory / WEIGHTS_FILE} is unreadable: {exc}") from None
+    label = schemes.pop() if len(schemes) == 1 else ("mixed" if schemes else "fp16")
+    return label, WeightBytes(codes, overhead, other)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme = "fp16") -> float:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from paperback.errors import PaperbackError
 from paperback.kv.schemes import parse_kv_scheme
-from paperback.plan.arithmetic import kv_bytes, kv_bytes_per_token, weight_bytes
+from paperback.plan.arithmetic import WeightBytes, kv_bytes, kv_bytes_per_token, weight_bytes
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
@@ -78,14 +78,15 @@ def _max_fitting(lo: int, hi: int, fits) -> int:
 
 
 def plan(shape: ModelShape, memory: int, context: int, users: int, weight_schemes=WEIGHT_SCHEMES,
-         kv_formats=KV_FORMATS, chunk: int = 512) -> dict:
+         kv_formats=KV_FORMATS, chunk: int = 512, known_weights: dict[str, WeightBytes] | None = None) -> dict:
+    """known_weights: weight bytes already counted (a checkpoint's, by label), used instead of the arithmetic."""
     if memory <= 0 or context <= 0 or users <= 0:
         raise PaperbackError("memory, context and users must be positive")
     longest = max(context, shape.max_position_embeddings)
     allowance = runtime_allowance(shape, chunk)
     rows = []
     for w_label in weight_schemes:
-        w = weight_bytes(shape, parse_weight_scheme(w_label))
+        w = (known_weights or {}).get(w_label) or weight_bytes(shape, parse_weight_scheme(w_label))
         for kv in kv_formats:
             scheme = parse_kv_scheme(kv)
             scheme.check_head_dim(shape.head_dim)

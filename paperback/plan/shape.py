@@ -94,6 +94,17 @@ def shape_from_hf(cfg: dict, where: str = "config.json", source: str = "") -> Mo
         sliding_window=int(window) if window and not windows else None, layer_windows=windows, source=source or where)
 
 
+def shape_from_config(config, name: str, source: str) -> ModelShape:
+    """From paperback's ModelConfig (what a GGUF file or a checkpoint's recipe describes)."""
+    return ModelShape(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                      intermediate_size=config.intermediate_size, num_heads=config.num_heads,
+                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+                      max_position_embeddings=config.max_position_embeddings,
+                      tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
+                      qk_norm=config.qk_norm, layer_windows=tuple(config.window_of(i) for i in range(config.num_layers)),
+                      source=source)
+
+
 def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in PRESETS.iterdir() if p.name.endswith(".json"))
 
@@ -105,20 +116,17 @@ def load_shape(spec: str) -> ModelShape:
         shape = shape_from_hf(data["config"], spec, data["source"])
         return ModelShape(**{**shape.__dict__, "name": spec})
     path = Path(spec)
+    if path.is_dir() and (path / "recipe.json").is_file():  # a paperback quantized checkpoint
+        from paperback.quantization.checkpoint import config_from_recipe, read_recipe
+
+        return shape_from_config(config_from_recipe(read_recipe(path), path), path.name, str(path))
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
         from paperback.loading.gguf_file import GGUFModelFile
 
-        config = GGUFModelFile(path).config()  # metadata only: the tensors are never read
-        return ModelShape(name=path.name, num_layers=config.num_layers, hidden_size=config.hidden_size,
-                          intermediate_size=config.intermediate_size, num_heads=config.num_heads,
-                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
-                          max_position_embeddings=config.max_position_embeddings,
-                          tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-                          qk_norm=config.qk_norm,
-                          layer_windows=tuple(config.window_of(i) for i in range(config.num_layers)),
-                          source=str(path))
+        # metadata only: the tensors are never read
+        return shape_from_config(GGUFModelFile(path).config(), path.name, str(path))
     if not path.is_file():
         raise PaperbackError(f"'{spec}' is neither a preset ({', '.join(preset_names())}) nor a config file, "
                              f"model directory or .gguf file")

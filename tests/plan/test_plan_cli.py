@@ -56,3 +56,40 @@ def test_config_missing_a_field(tmp_path, capsys):
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
     assert main(["plan", str(cfg), "--memory", "1GiB"]) == 2
     assert "no 'num_hidden_layers'" in capsys.readouterr().err
+
+
+def test_a_quantized_checkpoint_plans_with_its_own_stored_weights(tmp_path, capsys):
+    from helpers import tiny_llama_hf, write_llama_gguf
+    from paperback.loading import load_model
+    from paperback.plan.arithmetic import checkpoint_weight_bytes, weight_bytes
+    from paperback.plan.shape import load_shape
+    from paperback.quantization import QuantScheme
+    from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
+    from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+    gguf = write_llama_gguf(tiny_llama_hf(num_hidden_layers=2, hidden_size=128, intermediate_size=200),
+                            tmp_path / "tiny.gguf")
+    lm = load_model(str(gguf), with_tokenizer=False)
+    scheme = QuantScheme(4, 64)
+    results = quantize_model(lm.model, QuantizeConfig("rtn", scheme), progress=False)
+    swap_in_quantized(lm.model, results)
+    out = save_checkpoint(lm.model, None, {"layers": {n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}},
+                          tmp_path / "ckpt")
+    # The bytes read from the file's header are the bytes the arithmetic predicts from the shape alone.
+    label, stored = checkpoint_weight_bytes(out)
+    assert label == "W4a-g64"
+    assert stored == weight_bytes(load_shape(str(out)), scheme)
+    assert load_shape(str(out)) == load_shape(str(gguf)).__class__(**{**load_shape(str(gguf)).__dict__,
+                                                                      "name": "ckpt", "source": str(out)})
+    report = run_json(capsys, str(out), "--memory", "1GiB", "--weights", "W8")
+    assert [r["weights"] for r in report["rows"][::5]] == ["W4a-g64 (this checkpoint)", "W8"]
+    assert report["rows"][0]["weight_bytes"] == stored.total
+    assert report["rows"][0]["weight_overhead_bytes"] == stored.quantized_overhead
+
+
+def test_a_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "broken"
+    out.mkdir()
+    (out / "recipe.json").write_text(json.dumps({"format_version": 1}))
+    assert main(["plan", str(out), "--memory", "1GiB"]) == 2
+    assert "recipe.json" in capsys.readouterr().err

@@ -134,3 +134,19 @@ def test_unknown_target_is_refused():
     assert parse_targets("q_proj,head") == ("self_attn.q_proj", "head")
     with pytest.raises(PaperbackError, match="unknown quantization target 'lm_head'"):
         parse_targets("blocks,lm_head")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_every_method_quantizes_gemma3_from_the_cli(tmp_path, capsys, method):
+    """End to end on the second bundled model: quantize, save, reload, evaluate against the full model."""
+    out = tmp_path / f"gemma-{method}"
+    assert main(["quantize", "gemma3", "--method", method, "--bits", "4", "--group-size", "128", "-o", str(out),
+                 "--calib-samples", "16", "--calib-len", "256", "--awq-samples", "8", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 18 * 7 and 4.1 < summary["bits_per_weight"] < 4.3
+    assert main(["eval", str(out), "--context", "256", "--max-windows", "2", "--json",
+                 "--reference", "gemma3"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
+    assert main(["generate", str(out), "The Roman Empire", "--max-tokens", "3", "--json"]) == 0
