@@ -40,6 +40,9 @@ def register(sub) -> None:
                     help="tokens fed per step with a KV format (default 32; 1 is exactly token-by-token decoding)")
     kv.add_argument("--kv-calib", default="pydoc",
                     help="corpus for calibrated FP8 scales (default pydoc; never the evaluation text)")
+    kv.add_argument("--paged", action="store_true",
+                    help="store the cache in the serving engine's paged blocks and read it through its paged "
+                         "attention (what `paperback serve` runs) instead of the dense quantized cache")
     kv.add_argument("--per-position", action="store_true",
                     help="also report mean NLL and KL by position in the window (JSON)")
     add_dtype_arg(p)
@@ -53,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
 
     datasets = args.data or ["wikitext2"]
     texts = {name: load_text(name) for name in datasets}  # fail on a bad name before loading models
+    if args.paged and args.kv is None and args.kv_policy is None:
+        from paperback.errors import PaperbackError
+
+        raise PaperbackError("--paged stores the cache in a KV format: give --kv (e.g. --kv fp16) or --kv-policy")
     if args.kv is not None:
         from paperback.kv import parse_kv_scheme
 
@@ -110,4 +117,9 @@ def _kv_setup(args: argparse.Namespace, lm):
     meta = {"policy": policy.label, **policy.to_dict(lm.config.num_layers), "chunk": args.chunk,
             "fp8_calibration": calibration.to_dict() if calibration else None,
             "bits_at_context": {str(c): policy.bits_at(lm.config, c) for c in args.context}}
+    meta["storage"] = "paged engine blocks" if args.paged else "dense quantized cache"
+    if args.paged:
+        from paperback.engine.window_cache import PagedWindowCache
+
+        return PagedWindowCache.factory(lm.model, policy, args.chunk, kv_amax), meta
     return QuantizedKVCache.factory(lm.model, policy, kv_amax), meta

@@ -62,6 +62,17 @@ class _Request:
     forked: bool = False
 
 
+def default_kv_amax(lm) -> dict:
+    """FP8 KV scales calibrated as `paperback eval --kv fp8:scale=calibrated` does: 16 x 512 pydoc tokens."""
+    from paperback.kv import calibrate_kv_amax
+    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+
+    if lm.tokenizer is None:
+        raise PaperbackError("calibrated FP8 scales need the model's tokenizer, or pass kv_amax")
+    batch = calibration_batch(lm.tokenizer, CalibrationConfig("pydoc", num_samples=16, seq_len=512))
+    return calibrate_kv_amax(lm.model, batch, progress=False)
+
+
 class LLMEngine:
     """kv: a KV format for every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, ...; see paperback.kv),
     or a KVPolicy. The block size grows to a multiple of every format's token group (KIVI: 32).
@@ -69,11 +80,14 @@ class LLMEngine:
     """
 
     def __init__(self, lm, kv: str | KVPolicy = "fp32", kv_memory: int | None = None, num_blocks: int | None = None,
-                 block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig()):
+                 block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig(),
+                 kv_amax: dict | None = None):
         self.lm, self.model, self.tokenizer = lm, lm.model, lm.tokenizer
         config = self.model.config
         policy = kv if isinstance(kv, KVPolicy) else build_policy(config, kv)
         self.policy = policy
+        if kv_amax is None and policy.needs_fp8_calibration(config.num_layers):
+            kv_amax = default_kv_amax(lm)
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
         block_size = math.lcm(block_size, *(s.flush_group for s in schemes))
         residual = max((s.residual for s in schemes if not s.is_native), default=0)
@@ -96,7 +110,8 @@ class LLMEngine:
                                  f"(after {stage_bytes} bytes of staging for the exact recent windows)")
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=salt)
-        self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks)
+        self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks,
+                                kv_amax=kv_amax)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
                                    on_free=lambda seq: self.pool.release(seq.seq_id))

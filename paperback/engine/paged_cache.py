@@ -30,6 +30,7 @@ import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.paged_attention import paged_attention
+from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import NATIVE
 from paperback.models.config import ModelConfig
@@ -37,7 +38,7 @@ from paperback.models.config import ModelConfig
 
 class _Layer:
     def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, num_blocks: int, block_size: int,
-                 stage_blocks: int, dtype: torch.dtype, device):
+                 stage_blocks: int, dtype: torch.dtype, device, amax=None):
         self.scheme = policy.scheme_for(idx)
         self.native = self.scheme.is_native
         shape = (config.num_kv_heads, block_size, config.head_dim)
@@ -46,7 +47,9 @@ class _Layer:
             self.keys = torch.zeros((num_blocks, *shape), dtype=store, device=device)
             self.values = torch.zeros((num_blocks, *shape), dtype=store, device=device)
             return
-        self.key_codec, self.value_codec = self.scheme.codecs()
+        if self.scheme.family == "fp8" and self.scheme.scale == "calibrated" and amax is None:
+            raise PaperbackError(f"layer {idx} uses calibrated FP8 scales; no calibration was given")
+        self.key_codec, self.value_codec = self.scheme.codecs(amax)
         probe = torch.zeros((1, *shape), device=device)
         self.key_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
                            for n, t in self._encode(self.key_codec, probe).items()}
@@ -83,11 +86,13 @@ class _SeqState:
 
 class PagedKVPool:
     def __init__(self, config: ModelConfig, policy: KVPolicy, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, stage_blocks: int = 0, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, stage_blocks: int = 0, device: torch.device | str = "cpu",
+                 kv_amax: dict | None = None):
+        """kv_amax: {layer: (key amax, value amax)} from paperback.kv.calibrate, for calibrated FP8 layers."""
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device)
-                       for i in range(config.num_layers)]
+        self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device,
+                              (kv_amax or {}).get(i)) for i in range(config.num_layers)]
         quantized = [layer.scheme for layer in self.layers if not layer.native]
         self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
         self.quantized = bool(quantized)
