@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from results_io import write_results
+from results_io import run_worker, write_results
 
 
 def peak_rss_mib() -> float:
@@ -92,16 +91,10 @@ def run() -> int:
     configs = [("reference", 1)] + [(kv, n) for kv in args.kv for n in args.max_num_seqs]
     rows = []
     for kv, n in configs:
-        cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--requests", str(args.requests),
-               "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
-               "--kv", kv, "--max-num-seqs", str(n), "--kv-memory", str(args.kv_memory),
-               "--max-step-tokens", str(args.max_step_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            sys.stderr.write(proc.stderr[-3000:])
-            raise SystemExit(f"worker {kv} x {n} failed")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(run_worker([__file__, "--worker", "--model", args.model, "--requests", str(args.requests),
+                                "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
+                                str(args.output_tokens), "--kv", kv, "--max-num-seqs", str(n), "--kv-memory",
+                                str(args.kv_memory), "--max-step-tokens", str(args.max_step_tokens)], f"{kv} x {n}"))
     base = rows[0]["output_tokens_per_s"]
     print_table(f"{args.model}: {args.requests} requests x ({args.prompt_tokens} prompt + {args.output_tokens} output) "
                 f"tokens, {torch.get_num_threads()} threads",

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from results_io import write_results
+from results_io import run_worker, write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -104,13 +103,8 @@ def run() -> int:
         for kv in args.kv:
             for context in args.contexts:
                 for users in args.users:
-                    proc = subprocess.run([sys.executable, __file__, "--worker", model, kv, str(context), str(users)],
-                                          capture_output=True, text=True)
-                    if proc.returncode:
-                        sys.stderr.write(proc.stderr[-3000:])
-                        raise SystemExit(f"worker {model} {kv} {context} x {users} failed")
-                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                    print(json.dumps(rows[-1]), flush=True)
+                    rows.append(run_worker([__file__, "--worker", model, kv, str(context), str(users)],
+                                           f"{model} {kv} {context} x {users}"))
     mib = 2 ** 20
 
     def ratio(a, b):

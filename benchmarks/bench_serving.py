@@ -33,14 +33,12 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from results_io import write_results
+from results_io import run_worker, write_results
 
 SHARING_KV_BYTES = 256 * 2 ** 20  # the sharing cases fit in it whatever --kv-memory-mib says
 
@@ -191,16 +189,11 @@ def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reser
 def throughput(args, work, config) -> dict:
     rows = []
     for tool in ("paged", "transformers"):
-        cmd = [sys.executable, __file__, "--worker", tool, "--model", args.model, "--requests", str(args.requests),
-               "--seed", str(args.seed), "--kv-memory-mib", str(args.kv_memory_mib), "--max-num-seqs",
-               str(args.max_num_seqs), "--max-step-tokens", str(args.max_step_tokens), "--max-prompt",
-               str(args.max_prompt), "--max-output", str(args.max_output)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            sys.stderr.write(proc.stderr[-3000:])
-            raise SystemExit(f"{tool} worker failed")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests", str(args.requests),
+                                "--seed", str(args.seed), "--kv-memory-mib", str(args.kv_memory_mib),
+                                "--max-num-seqs", str(args.max_num_seqs), "--max-step-tokens",
+                                str(args.max_step_tokens), "--max-prompt", str(args.max_prompt),
+                                "--max-output", str(args.max_output)], tool))
     budget_tokens = args.kv_memory_mib * 2 ** 20 // kv_bytes_per_token(config, 4)
     contiguous = {
         "reserve prompt + max_tokens": contiguous_reservation(

@@ -1,8 +1,10 @@
-"""Where benchmark scripts write their JSON."""
+"""Where benchmark scripts write their JSON, and how they run a configuration in a fresh worker process."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -15,3 +17,17 @@ def write_results(filename: str, payload: dict) -> Path:
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out}")
     return out
+
+
+def run_worker(argv: list[str], what: str) -> dict:
+    """Run `python argv...` in a fresh process and return the JSON object its last stdout line holds.
+
+    A worker that fails stops the benchmark with the end of its stderr: a half-measured table is worse than none.
+    """
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"worker {what} failed")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(row), flush=True)
+    return row
