@@ -21,7 +21,7 @@ throughput: N requests whose prompts are WikiText-2 paragraphs and whose
 sharing: blocks held at peak for n = 4 parallel samples of one prompt (forked
   blocks) against the same 4 completions as separate requests, and for
   requests that share a system prompt with and without prefix caching.
-capacity: per KV format, how many concurrent sequences of --capacity-tokens
+capacity: per KV format and sequence length, how many concurrent sequences
   the engine's pool holds in a fixed budget (the engine's own sizing, bf16
   model, staging for the exact recent windows included).
 Writes benchmarks/results/serving_<model>.json.
@@ -30,6 +30,7 @@ Writes benchmarks/results/serving_<model>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -38,7 +39,7 @@ import time
 
 import torch
 
-from results_io import run_worker, write_results
+from results_io import RESULTS, run_worker, write_results
 
 SHARING_KV_BYTES = 256 * 2 ** 20  # the sharing cases fit in it whatever --kv-memory-mib says
 
@@ -254,34 +255,45 @@ def sharing(lm, work) -> dict:
 
 
 def capacity(args) -> dict:
+    """Per KV format and sequence length, the most sequences the engine's pool admits in the budget."""
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.loading import load_model
 
     lm = load_model(args.model, "bf16", with_tokenizer=False)
     budget = args.capacity_mib * 2 ** 20
+
+    def engine_for(kv: str, seqs: int):
+        try:  # staging for the exact recent windows is sized by the cap on running sequences
+            return LLMEngine(lm, kv=kv, kv_memory=budget, scheduler=SchedulerConfig(seqs, args.max_step_tokens))
+        except Exception:
+            return None
+
+    def fits(kv: str, seqs: int, tokens: int) -> bool:
+        engine = engine_for(kv, seqs)
+        ok = engine is not None and engine.blocks.num_blocks >= seqs * engine.blocks.blocks_needed(tokens)
+        del engine
+        gc.collect()  # the engine's callbacks make a reference cycle: free its pool before the next one
+        return ok
+
     rows = []
-    for kv in args.capacity_kv:
-        def fits(n, kv=kv):
-            try:
-                engine = LLMEngine(lm, kv=kv, kv_memory=budget, scheduler=SchedulerConfig(n, args.max_step_tokens))
-            except Exception:
-                return False, None
-            ok = engine.blocks.num_blocks >= n * engine.blocks.blocks_needed(args.capacity_tokens)
-            return ok, engine
-        lo, hi = 0, 1
-        while fits(hi)[0]:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
-        engine = fits(max(lo, 1))[1]
-        rows.append({"kv": kv, "sequences": lo, "block_size": engine.blocks.block_size if engine else None,
-                     "pool_bytes": engine.pool.nbytes if engine else None})
-    base = next((r["sequences"] for r in rows if r["kv"] in ("bf16", "fp16")), rows[0]["sequences"])
-    for r in rows:
-        r["vs_16bit"] = r["sequences"] / base if base else None
-    return {"budget_bytes": budget, "tokens_per_sequence": args.capacity_tokens, "model_dtype": "bf16", "rows": rows}
+    for tokens in args.capacity_tokens:
+        for kv in args.capacity_kv:
+            lo, hi = 0, 1
+            while fits(kv, hi, tokens):
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(kv, mid, tokens) else (lo, mid)
+            engine = engine_for(kv, 1)
+            rows.append({"kv": kv, "tokens": tokens, "sequences": lo, "block_size": engine.blocks.block_size})
+            del engine
+            gc.collect()
+        base = next(r["sequences"] for r in rows if r["tokens"] == tokens and r["kv"] in ("bf16", "fp16"))
+        for r in rows:
+            if r["tokens"] == tokens:
+                r["vs_16bit"] = r["sequences"] / base if base else None
+    return {"budget_bytes": budget, "model_dtype": "bf16", "rows": rows}
 
 
 def print_tables(report: dict, model: str) -> None:
@@ -308,10 +320,13 @@ def print_tables(report: dict, model: str) -> None:
                       sp["peak_blocks_cached"], sp["peak_blocks_uncached"], f"{100 * sp['saved']:.0f}%"]])
     if "capacity" in report:
         c = report["capacity"]
-        print_table(f"{model}: sequences of {c['tokens_per_sequence']} tokens in {c['budget_bytes'] / 2**20:.0f} MiB "
-                    f"of KV (bf16 model)", ["KV", "sequences", "vs 16-bit", "block"],
-                    [[r["kv"], r["sequences"], f"{r['vs_16bit']:.2f}x" if r["vs_16bit"] else "-", r["block_size"]]
-                     for r in c["rows"]])
+        lengths = sorted({r["tokens"] for r in c["rows"]})
+        formats = list(dict.fromkeys(r["kv"] for r in c["rows"]))
+        cell = {(r["kv"], r["tokens"]): r for r in c["rows"]}
+        print_table(f"{model}: concurrent sequences in {c['budget_bytes'] / 2**20:.0f} MiB of KV (bf16 model), "
+                    f"and against the 16-bit cache", ["KV"] + [f"{n} tokens" for n in lengths],
+                    [[kv] + [f"{cell[kv, n]['sequences']} ({cell[kv, n]['vs_16bit']:.2f}x)" for n in lengths]
+                     for kv in formats])
 
 
 def run() -> int:
@@ -325,8 +340,8 @@ def run() -> int:
     parser.add_argument("--kv-memory-mib", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-step-tokens", type=int, default=512)
-    parser.add_argument("--capacity-mib", type=int, default=256)
-    parser.add_argument("--capacity-tokens", type=int, default=2048)
+    parser.add_argument("--capacity-mib", type=int, default=1024)
+    parser.add_argument("--capacity-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--capacity-kv", nargs="+", default=["bf16", "fp8", "int8", "int4", "kivi4", "kivi2"])
     parser.add_argument("--worker", choices=["paged", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -351,6 +366,10 @@ def run() -> int:
         config = lm.model.config
         del lm
         report["throughput"] = throughput(args, work, config)
+    # Parts run separately merge into one file (a rerun of a part replaces it).
+    previous = RESULTS / f"serving_{args.model}.json"
+    if previous.exists():
+        report = {**json.loads(previous.read_text()), **report}
     print_tables(report, args.model)
     write_results(f"serving_{args.model}.json", report)
     return 0
