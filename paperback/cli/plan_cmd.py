@@ -24,6 +24,10 @@ def register(sub) -> None:
     p.add_argument("--weights", nargs="+", default=None, help="weight schemes (default fp16 W8 W4 W3; for a quantized "
                                                                   "checkpoint, its own scheme plus these)")
     p.add_argument("--kv", nargs="+", default=None, help="KV formats (default fp16 fp8 int8 int4 kivi2)")
+    p.add_argument("--kv-skip-layers", default=None,
+                   help="layers every KV format keeps at fp16: indices, ranges (0-3), global or sliding")
+    p.add_argument("--kv-policy", default=None,
+                   help="a per-layer KV policy JSON file (as eval and serve take), planned as one more KV row")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk the activation allowance is sized for")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of memory against context per scheme")
     add_json_arg(p)
@@ -49,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
         label = f"{label} (this checkpoint)"
         known[label] = stored
         weights = (label,) + tuple(args.weights or ())
-    report = plan(shape, memory, args.context, args.users, weights, tuple(args.kv or KV_FORMATS), args.chunk,
-                  known)
+    kv_labels, policies = kv_rows(shape, tuple(args.kv or KV_FORMATS), args.kv_skip_layers, args.kv_policy)
+    report = plan(shape, memory, args.context, args.users, weights, kv_labels, args.chunk, known, policies)
     if args.plot:
-        write_plot(shape, report, args.plot)
+        write_plot(shape, report, args.plot, policies)
     if args.json:
         print_json(report)
         return 0
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         from paperback.plan.arithmetic import kv_bytes
 
         unwindowed = kv_bytes(replace(shape, layer_windows=(None,) * shape.num_layers), args.context,
-                              report["rows"][0]["kv"], args.users)
+                              policies.get(report["rows"][0]["kv"]) or report["rows"][0]["kv"], args.users)
         note(f"sliding-window layers are counted at their window, as an engine that frees blocks sliding out "
              f"of it holds them; paperback serve does not free them yet and holds {unwindowed / gib:.2f} GiB of "
              f"{report['rows'][0]['kv']} cache here")
@@ -91,7 +95,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_plot(shape, report: dict, path: Path) -> None:
+def kv_rows(shape, formats: tuple[str, ...], skip_layers: str | None, policy_file: str | None):
+    """(row labels, {label: per-layer policy}) for the KV formats, skipped layers and a policy file."""
+    from paperback.kv.policy import build_policy
+
+    labels, policies = [], {}
+    for kv in formats:
+        if skip_layers:
+            label = f"{kv} (fp16 at {skip_layers})"
+            policies[label] = build_policy(shape, kv, skip_layers)
+            labels.append(label)
+        else:
+            labels.append(kv)
+    if policy_file:
+        label = f"policy {Path(policy_file).name}" + (f" (fp16 at {skip_layers})" if skip_layers else "")
+        policies[label] = build_policy(shape, None, skip_layers, policy_file)
+        labels.append(label)
+    return tuple(labels), policies
+
+
+def write_plot(shape, report: dict, path: Path, policies: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +127,8 @@ def write_plot(shape, report: dict, path: Path) -> None:
     gib = 2 ** 30
     for r in report["rows"]:
         fixed = r["weight_bytes"] + report["allowance_bytes"]
-        ax.plot(contexts, [(fixed + kv_bytes(shape, c, r["kv"], report["users"])) / gib for c in contexts],
+        kv = (policies or {}).get(r["kv"]) or r["kv"]
+        ax.plot(contexts, [(fixed + kv_bytes(shape, c, kv, report["users"])) / gib for c in contexts],
                 marker=".", label=f"{r['weights']} / {r['kv']}")
     ax.axhline(report["memory"] / gib, color="k", lw=2, label="device memory")
     ax.set_xscale("log", base=2)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme, parse_kv_scheme
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
@@ -99,13 +100,21 @@ def checkpoint_weight_bytes(directory: Path, other_bits: int = 16) -> tuple[str,
     return label, WeightBytes(codes, overhead, other)
 
 
-def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme = "fp16") -> float:
-    """Bytes one token adds to the cache in every layer (while no window has filled)."""
+def layer_kv_schemes(shape: ModelShape, kv: str | KVScheme | KVPolicy) -> list[KVScheme]:
+    """The KV scheme of every layer: one format for all, or a per-layer policy."""
+    if isinstance(kv, KVPolicy):
+        return [kv.scheme_for(i) for i in range(shape.num_layers)]
     scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * scheme.bits_per_element(shape.head_dim) / 8
+    return [scheme] * shape.num_layers
 
 
-def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users: int = 1,
+def kv_bytes_per_token(shape: ModelShape, kv: str | KVScheme | KVPolicy = "fp16") -> float:
+    """Bytes one token adds to the cache in every layer (while no window has filled)."""
+    channels = 2 * shape.num_kv_heads * shape.head_dim
+    return sum(channels * s.bits_per_element(shape.head_dim) / 8 for s in layer_kv_schemes(shape, kv))
+
+
+def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme | KVPolicy = "fp16", users: int = 1,
              block_size: int = 16) -> float:
     """Cache bytes of `users` sequences of `context` tokens, as the paged engine holds them.
 
@@ -116,8 +125,10 @@ def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme = "fp16", users
     window holds; paperback's engine does not free them yet, so past the
     window it holds more (benchmarks/bench_plan.py shows how much).
     """
-    scheme = parse_kv_scheme(kv) if isinstance(kv, str) else kv
+    schemes = layer_kv_schemes(shape, kv)
+    # One block size for the whole pool, as the engine picks it: a multiple of every layer's token group.
+    block = math.lcm(block_size, *(s.flush_group for s in schemes))
     channels = 2 * shape.num_kv_heads * shape.head_dim
-    bits = sum(scheme.paged_bits(min(context, w) if w else context, shape.head_dim, block_size)
-               for w in shape.layer_windows)
+    bits = sum(s.paged_bits(min(context, w) if w else context, shape.head_dim, block)
+               for s, w in zip(schemes, shape.layer_windows))
     return users * channels * bits / 8

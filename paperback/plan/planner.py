@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 
 from paperback.errors import PaperbackError
 from paperback.kv.schemes import parse_kv_scheme
-from paperback.plan.arithmetic import WeightBytes, kv_bytes, kv_bytes_per_token, weight_bytes
+from paperback.kv.policy import KVPolicy
+from paperback.plan.arithmetic import WeightBytes, kv_bytes, kv_bytes_per_token, layer_kv_schemes, weight_bytes
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
@@ -78,8 +79,10 @@ def _max_fitting(lo: int, hi: int, fits) -> int:
 
 
 def plan(shape: ModelShape, memory: int, context: int, users: int, weight_schemes=WEIGHT_SCHEMES,
-         kv_formats=KV_FORMATS, chunk: int = 512, known_weights: dict[str, WeightBytes] | None = None) -> dict:
-    """known_weights: weight bytes already counted (a checkpoint's, by label), used instead of the arithmetic."""
+         kv_formats=KV_FORMATS, chunk: int = 512, known_weights: dict[str, WeightBytes] | None = None,
+         kv_policies: dict[str, KVPolicy] | None = None) -> dict:
+    """known_weights: weight bytes already counted (a checkpoint's, by label), used instead of the arithmetic.
+    kv_policies: per-layer KV policies by the label they appear under in kv_formats."""
     if memory <= 0 or context <= 0 or users <= 0:
         raise PaperbackError("memory, context and users must be positive")
     longest = max(context, shape.max_position_embeddings)
@@ -87,9 +90,10 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
     rows = []
     for w_label in weight_schemes:
         w = (known_weights or {}).get(w_label) or weight_bytes(shape, parse_weight_scheme(w_label))
-        for kv in kv_formats:
-            scheme = parse_kv_scheme(kv)
-            scheme.check_head_dim(shape.head_dim)
+        for kv_label in kv_formats:
+            kv = (kv_policies or {}).get(kv_label) or parse_kv_scheme(kv_label)
+            for scheme in layer_kv_schemes(shape, kv):
+                scheme.check_head_dim(shape.head_dim)
             fixed = w.total + allowance
 
             def fits(ctx, n, _kv=kv, _fixed=fixed):
@@ -98,7 +102,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
             cache = kv_bytes(shape, context, kv, users)
             total = fixed + cache
             rows.append(PlanRow(
-                w_label, kv, w.total, w.quantized_overhead, kv_bytes_per_token(shape, kv), cache,
+                w_label, kv_label, w.total, w.quantized_overhead, kv_bytes_per_token(shape, kv), cache,
                 kv_bytes(shape, 4096, kv), kv_bytes(shape, 32768, kv), total, memory - total, total <= memory,
                 max(0, _max_fitting(1, longest, lambda c: fits(c, users))),
                 max(0, _max_fitting(1, 1 << 20, lambda n: fits(context, n)))))

@@ -55,6 +55,10 @@ class ModelShape:
         if len(self.layer_windows) != self.num_layers:
             raise PaperbackError("one attention window per layer is needed")
 
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window, None for full attention (as ModelConfig says it; KV policies use it)."""
+        return self.layer_windows[layer]
+
 
 def _need(cfg: dict, key: str, where: str):
     if cfg.get(key) is None:

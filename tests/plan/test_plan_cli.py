@@ -93,3 +93,38 @@ def test_a_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
     (out / "recipe.json").write_text(json.dumps({"format_version": 1}))
     assert main(["plan", str(out), "--memory", "1GiB"]) == 2
     assert "recipe.json" in capsys.readouterr().err
+
+
+def test_per_layer_kv_policy_and_skipped_layers(tmp_path, capsys):
+    from paperback.kv.policy import build_policy
+    from paperback.plan.arithmetic import kv_bytes, kv_bytes_per_token
+    from paperback.plan.shape import load_shape
+
+    shape = load_shape("gemma-3-27b")
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps({"default": "int4", "layers": {"global": "fp8"}}))
+    report = run_json(capsys, "gemma-3-27b", "--memory", "80GiB", "--context", "32768", "--users", "2",
+                      "--weights", "W4", "--kv", "fp16", "int4", "--kv-skip-layers", "global",
+                      "--kv-policy", str(policy_file), "--plot", str(tmp_path / "p.png"))
+    rows = {r["kv"]: r for r in report["rows"]}
+    assert set(rows) == {"fp16 (fp16 at global)", "int4 (fp16 at global)", "policy policy.json (fp16 at global)"}
+    # Per token, layer by layer: a global layer's share at 16 bits, every other layer's at int4's 5 bits.
+    per_layer = 2 * shape.num_kv_heads * shape.head_dim
+    n_global = sum(w is None for w in shape.layer_windows)
+    expected = per_layer * (n_global * 16 + (shape.num_layers - n_global) * 5) / 8
+    assert rows["int4 (fp16 at global)"]["kv_bytes_per_token"] == pytest.approx(expected)
+    assert rows["fp16 (fp16 at global)"]["kv_bytes_per_token"] == kv_bytes_per_token(shape, "fp16")
+    # The skipped layers win over the file's choice for them, as in eval and serve.
+    assert rows["policy policy.json (fp16 at global)"]["kv_bytes_at_context"] == \
+        rows["int4 (fp16 at global)"]["kv_bytes_at_context"]
+    mixed = build_policy(shape, None, None, policy_file)
+    assert kv_bytes_per_token(shape, mixed) == pytest.approx(
+        per_layer * (n_global * 8 + (shape.num_layers - n_global) * 5) / 8)
+    assert kv_bytes(shape, 32768, "fp8", 2) > kv_bytes(shape, 32768, mixed, 2) > kv_bytes(shape, 32768, "int4", 2)
+
+
+def test_policy_naming_missing_layers_is_refused(capsys):
+    assert main(["plan", "llama-2-7b", "--memory", "8GiB", "--kv-skip-layers", "40"]) == 2
+    assert "has 32 layers" in capsys.readouterr().err
+    assert main(["plan", "llama-2-7b", "--memory", "8GiB", "--kv-skip-layers", "global"]) == 2
+    assert "no sliding-window layers" in capsys.readouterr().err
