@@ -97,7 +97,7 @@ def paged_worker(args) -> dict:
         reserved += engine.blocks.num_used * engine.blocks.block_size
     seconds = time.perf_counter() - start
     assert sorted(len(o.outputs[0].token_ids) for o in outputs) == sorted(n for _, n in work)
-    return summary("paperback paged", work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
+    return summary(TOOL_NAMES["paged"], work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
                    held / reserved, {"kv_pool_bytes": engine.pool.nbytes, "peak_running": peak_running,
                                      "preemptions": sum(o.timings["preemptions"] for o in outputs)})
 
@@ -149,7 +149,7 @@ def transformers_worker(args) -> dict:
                 reserved += len(batch) * (width + step)
                 held += sum(len(work[i][0]) + min(step, work[i][1]) for i in batch)
     seconds = time.perf_counter() - start
-    return summary("transformers static batches", work, seconds, ttfts, held / reserved,
+    return summary(TOOL_NAMES["transformers"], work, seconds, ttfts, held / reserved,
                    {"batches": len(batches), "largest_batch": max(map(len, batches))})
 
 
@@ -187,9 +187,19 @@ def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reser
     return held_total / reserved_total
 
 
-def throughput(args, work, config) -> dict:
+TOOL_NAMES = {"paged": "paperback paged", "transformers": "transformers static batches"}
+
+
+def throughput(args, work, config, previous: dict | None) -> dict:
+    """Both tools' rows; a tool left out of --tools keeps its row from the previous run of the same workload."""
+    kept = {r["tool"]: r for r in (previous or {}).get("rows", [])}
     rows = []
     for tool in ("paged", "transformers"):
+        if tool not in args.tools:
+            if TOOL_NAMES[tool] not in kept:
+                raise SystemExit(f"no earlier {tool} row to keep: run it too (--tools paged transformers)")
+            rows.append(kept[TOOL_NAMES[tool]])
+            continue
         rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests", str(args.requests),
                                 "--seed", str(args.seed), "--kv-memory-mib", str(args.kv_memory_mib),
                                 "--max-num-seqs", str(args.max_num_seqs), "--max-step-tokens",
@@ -343,6 +353,8 @@ def run() -> int:
     parser.add_argument("--capacity-mib", type=int, default=1024)
     parser.add_argument("--capacity-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--capacity-kv", nargs="+", default=["bf16", "fp8", "int8", "int4", "kivi4", "kivi2"])
+    parser.add_argument("--tools", nargs="+", choices=["paged", "transformers"], default=["paged", "transformers"],
+                        help="rerun only these; the other keeps its row from the last run of the same workload")
     parser.add_argument("--worker", choices=["paged", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     from paperback.loading import load_model
@@ -362,14 +374,15 @@ def run() -> int:
         report["sharing"] = sharing(lm, workload(lm.tokenizer, 32, args.seed + 1, args.max_prompt, 16))
     if "capacity" in args.part:
         report["capacity"] = capacity(args)
+    # Parts run separately merge into one file (a rerun of a part replaces it).
+    path = RESULTS / f"serving_{args.model}.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
     if "throughput" in args.part:
         config = lm.model.config
         del lm
-        report["throughput"] = throughput(args, work, config)
-    # Parts run separately merge into one file (a rerun of a part replaces it).
-    previous = RESULTS / f"serving_{args.model}.json"
-    if previous.exists():
-        report = {**json.loads(previous.read_text()), **report}
+        same = previous.get("workload") == report["workload"] and previous.get("kv_memory_mib") == args.kv_memory_mib
+        report["throughput"] = throughput(args, work, config, previous.get("throughput") if same else None)
+    report = {**previous, **report}
     print_tables(report, args.model)
     write_results(f"serving_{args.model}.json", report)
     return 0

@@ -65,3 +65,48 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
         acc = acc * correction + probs @ v
         running_max = new_max
     return (acc / running_sum).to(q.dtype)
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, scaling: float, window: int | None = None,
+                           blocks_per_step: int = 32) -> torch.Tensor:
+    """One new query per sequence, for a batch of sequences at once, over native (unencoded) blocks.
+
+    q (B, H, D) at positions lengths - 1; keys, values (num_blocks, Hkv, bs, D)
+    the pool's storage; tables (B, max blocks) each sequence's block ids
+    (padding entries may name any block: they are masked). Returns (B, H, D).
+    The same online softmax as `paged_attention`, with the loop over blocks
+    shared by the whole batch instead of one call per sequence: decode steps
+    are where an engine spends its time, and per-sequence calls cost more
+    in overhead than in arithmetic.
+    """
+    batch, heads, dim = q.shape
+    kv_heads, block_size = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    qg = (q.float() * scaling).view(batch, kv_heads, group, dim)
+    q_pos = (lengths - 1)[:, None]  # (B, 1)
+    running_max = torch.full((batch, kv_heads, group, 1), float("-inf"), device=q.device)
+    running_sum = torch.zeros((batch, kv_heads, group, 1), device=q.device)
+    acc = torch.zeros((batch, kv_heads, group, dim), device=q.device)
+    hi_block = -(-int(lengths.max()) // block_size)
+    lo_block = 0 if window is None else max(0, int(lengths.min()) - window) // block_size
+    for start in range(lo_block, hi_block, blocks_per_step):
+        ids = tables[:, start:min(start + blocks_per_step, hi_block)]  # (B, n)
+        n = ids.shape[1]
+        k = keys[ids].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_size, dim).float()
+        v = values[ids].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_size, dim).float()
+        k_pos = torch.arange(start * block_size, (start + n) * block_size, device=q.device)[None, :]
+        visible = k_pos <= q_pos  # (B, n * bs): also keeps out unwritten slots and padding blocks
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        v = v.masked_fill(~visible[:, None, :, None], 0.0)  # stale bytes must not reach p @ v as NaN
+        scores = (qg @ k.transpose(-1, -2)).masked_fill(~visible[:, None, None, :], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        probs = torch.exp(scores - safe_max)
+        correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
+                                           running_max - safe_max))
+        running_sum = running_sum * correction + probs.sum(-1, keepdim=True)
+        acc = acc * correction + probs @ v
+        running_max = new_max
+    return (acc / running_sum).reshape(batch, heads, dim).to(q.dtype)

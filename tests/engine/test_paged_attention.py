@@ -79,3 +79,28 @@ def test_quantized_blocks_decode_inside_the_reader(spec):
     dv = torch.cat([value_codec.decode(b[1], torch.float32) for b in blocks], dim=1)
     ref = F.scaled_dot_product_attention(q[None], dk[None], dv[None], scale=0.2, enable_gqa=True)[0]
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_batched_decode_equals_one_call_per_sequence(window):
+    from paperback.engine.paged_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 40
+    keys, values = torch.randn(num_blocks, kv_heads, bs, dim), torch.randn(num_blocks, kv_heads, bs, dim)
+    lengths = torch.tensor([1, 7, 33, 16])
+    order = torch.randperm(num_blocks)
+    tables, start = [], 0
+    for n in lengths.tolist():  # disjoint random blocks per sequence
+        need = -(-n // bs)
+        tables.append(order[start:start + need])
+        start += need
+    padded = torch.full((len(tables), max(map(len, tables))), 3)  # padding names a real block: must be masked
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    q = torch.randn(len(tables), heads, dim)
+    together = paged_decode_attention(q, keys, values, padded, lengths, 0.25, window, blocks_per_step=3)
+    for i, (t, n) in enumerate(zip(tables, lengths.tolist())):
+        alone = paged_attention(q[i][:, None], lambda ids: (keys[ids], values[ids]), t, n, bs, 0.25, window,
+                                blocks_per_step=3)
+        assert torch.allclose(together[i], alone[:, 0], atol=1e-5)
