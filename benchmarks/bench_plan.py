@@ -46,32 +46,36 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     lm = load_model(model, "bf16")
     shape = load_shape(model)
     blocks_needed = users * -(-context // 16) + users * 2
+    step_tokens = 512  # the prefill chunk the plan's runtime allowance is sized for
     engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed * 2, prefix_caching=False,
-                       scheduler=SchedulerConfig(users, 1024))
+                       scheduler=SchedulerConfig(users, step_tokens))
     ids = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
-    measured_kv = 0
-
-    def held_bytes() -> int:
-        pool = engine.pool
-        block = sum(t[0].numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
-        stage = sum(layer.stage_keys[0].numel() * layer.stage_keys.element_size() * 2
-                    for layer in pool.layers if not layer.native)
-        staged = sum(len(state.stage) for state in pool.seqs.values())
-        return engine.blocks.num_used * block + staged * stage
+    pool = engine.pool
+    block = sum(t[0].numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
+    stage = sum(layer.stage_keys[0].numel() * layer.stage_keys.element_size() * 2
+                for layer in pool.layers if not layer.native)
+    # Between steps a running sequence holds at most context - 2 tokens: the step that computes its 15th
+    # generated token samples the 16th and ends it. Measured and predicted at that length.
+    tokens = context - 2
+    held: dict[int, int] = {}  # sequence -> bytes it holds once it has `tokens` tokens computed
 
     for u in range(users):
         engine.add_request(ids[u * context:(u + 1) * context - 16], SamplingParams(max_tokens=16, ignore_eos=True))
     with torch.inference_mode():
         while engine.scheduler.has_work:
-            if all(s.num_computed == s.num_tokens - 1 and len(s.output_ids) == 15 for s in engine.scheduler.running) \
-                    and len(engine.scheduler.running) == users:
-                measured_kv = held_bytes()  # every sequence at context - 1 tokens computed
+            for s in engine.scheduler.running:
+                if s.num_computed == tokens and s.seq_id not in held:
+                    # Its blocks in every layer's format plus its staging slots (sequences' KV add up, so
+                    # the users need not reach this point in the same step).
+                    held[s.seq_id] = (len(engine.blocks.table(s.seq_id)) * block
+                                      + len(pool.seqs[s.seq_id].stage) * stage if s.seq_id in pool.seqs else 0)
             engine.step()
-    predicted_kv = kv_bytes(shape, context - 1, kv, users)
+    measured_kv = sum(held.values()) if len(held) == users else 0
+    predicted_kv = kv_bytes(shape, tokens, kv, users)
     # This engine does not yet free the blocks that slide out of a sliding layer's window: it holds
     # every layer's full context, which the same arithmetic predicts without the windows.
     full_context = replace(shape, layer_windows=(None,) * shape.num_layers)
-    predicted_engine_kv = kv_bytes(full_context, context - 1, kv, users)
+    predicted_engine_kv = kv_bytes(full_context, tokens, kv, users)
     rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                if line.startswith("VmHWM:"))
     predicted_weights = weight_bytes(shape, "bf16").total
@@ -79,7 +83,7 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
             "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),
             "kv_predicted": predicted_kv, "kv_predicted_without_windows": predicted_engine_kv,
             "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
-            "total_predicted": predicted_weights + predicted_kv + runtime_allowance(shape),
+            "total_predicted": predicted_weights + predicted_kv + runtime_allowance(shape, step_tokens),
             "peak_rss": rss}
 
 
