@@ -9,9 +9,10 @@ conversations of `context` tokens. The engine (bf16 weights and activations,
 so its exact recent windows are 16-bit as the plan counts them) then runs
 exactly that workload (prompts of context - 16 tokens, 16 generated) and we
 measure: the weights' bytes (every parameter and packed buffer), the KV bytes
-its sequences hold at the end (blocks in use x each block's bytes in every
-layer's format, plus the staging slots in use), and the process's peak RSS
-beside the plan's total with its runtime allowance. Each configuration runs
+each sequence holds at its longest (its blocks x each block's bytes in every
+layer's format, plus its staging slots), and the process's peak RSS while
+serving (reset after loading, whose dequantizing transient is reported
+apart) beside the plan's total with its runtime allowance. Each configuration runs
 in its own process. The engine does not yet free blocks that slide out of a
 sliding-window layer's window (Gemma 3), so the KV it holds is compared with
 the same arithmetic without the windows; the plan's own figure, which counts
@@ -44,10 +45,25 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     from paperback.plan.shape import load_shape
 
     lm = load_model(model, "bf16")
+    status = Path("/proc/self/status")
+
+    def rss_peak() -> int:
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                    if line.startswith("VmHWM:"))
+
+    loading_peak = rss_peak()
+    # Serving memory from here on: loading a GGUF dequantizes through fp32, a transient the plan does not
+    # count, so the peak is reset (Linux: 5 > clear_refs sets VmHWM to the current RSS).
+    Path("/proc/self/clear_refs").write_text("5")
     shape = load_shape(model)
-    blocks_needed = users * -(-context // 16) + users * 2
     step_tokens = 512  # the prefill chunk the plan's runtime allowance is sized for
-    engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed * 2, prefix_caching=False,
+    probe = LLMEngine(lm, kv=kv, num_blocks=1, scheduler=SchedulerConfig(users, step_tokens))
+    block_size = probe.blocks.block_size
+    del probe
+    # The pool holds what the users need plus one block each (admission keeps one free per running
+    # sequence), no more: the peak RSS then compares with the plan's total line by line.
+    blocks_needed = users * (-(-context // block_size) + 1)
+    engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed, prefix_caching=False,
                        scheduler=SchedulerConfig(users, step_tokens))
     ids = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
     pool = engine.pool
@@ -76,15 +92,14 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     # every layer's full context, which the same arithmetic predicts without the windows.
     full_context = replace(shape, layer_windows=(None,) * shape.num_layers)
     predicted_engine_kv = kv_bytes(full_context, tokens, kv, users)
-    rss = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-               if line.startswith("VmHWM:"))
+    rss = rss_peak()
     predicted_weights = weight_bytes(shape, "bf16").total
     return {"model": model, "kv": kv, "context": context, "users": users,
             "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),
             "kv_predicted": predicted_kv, "kv_predicted_without_windows": predicted_engine_kv,
             "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
             "total_predicted": predicted_weights + predicted_kv + runtime_allowance(shape, step_tokens),
-            "peak_rss": rss}
+            "peak_rss": rss, "peak_rss_while_loading": loading_peak}
 
 
 def run() -> int:
