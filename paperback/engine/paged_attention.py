@@ -55,16 +55,18 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
         if window is not None:
             visible &= k_pos > q_pos - window
         scores = (q32 @ k.transpose(1, 2)).masked_fill(~visible, float("-inf"))  # (H, T, n * bs)
-        block_max = scores.amax(-1, keepdim=True)
-        new_max = torch.maximum(running_max, block_max)
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        probs = torch.exp(scores - safe_max)
-        correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
-                                           running_max - safe_max))
-        running_sum = running_sum * correction + probs.sum(-1, keepdim=True)
-        acc = acc * correction + probs @ v
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
     return (acc / running_sum).to(q.dtype)
+
+
+def _online_softmax_step(scores, v, running_max, running_sum, acc):
+    """Fold one chunk of scores (-inf where masked) and its values into the running max, sum and output."""
+    new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+    safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)  # rows with nothing visible yet
+    probs = torch.exp(scores - safe_max)
+    correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
+                                       running_max - safe_max))
+    return new_max, running_sum * correction + probs.sum(-1, keepdim=True), acc * correction + probs @ v
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
@@ -101,12 +103,5 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
             visible &= k_pos > q_pos - window
         v = v.masked_fill(~visible[:, None, :, None], 0.0)  # stale bytes must not reach p @ v as NaN
         scores = (qg @ k.transpose(-1, -2)).masked_fill(~visible[:, None, None, :], float("-inf"))
-        new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        probs = torch.exp(scores - safe_max)
-        correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
-                                           running_max - safe_max))
-        running_sum = running_sum * correction + probs.sum(-1, keepdim=True)
-        acc = acc * correction + probs @ v
-        running_max = new_max
+        running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
     return (acc / running_sum).reshape(batch, heads, dim).to(q.dtype)
