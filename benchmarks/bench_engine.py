@@ -19,21 +19,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from results_io import run_worker, write_results
 
 
-def peak_rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def worker(args) -> dict:
+    from paperback.bench.engines import peak_rss_bytes
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.evaluation import load_text
@@ -66,7 +59,8 @@ def worker(args) -> dict:
     seconds = time.perf_counter() - start
     return {"kv": args.kv, "max_num_seqs": args.max_num_seqs, "seconds": seconds,
             "output_tokens_per_s": args.requests * args.output_tokens / seconds,
-            "median_ttft_s": statistics.median(ttfts), "kv_pool_bytes": pool_bytes, "peak_rss_mib": peak_rss_mib()}
+            "median_ttft_s": statistics.median(ttfts), "kv_pool_bytes": pool_bytes,
+            "peak_rss_mib": peak_rss_bytes() / 2 ** 20}
 
 
 def run() -> int:

@@ -34,6 +34,7 @@ from results_io import run_worker, write_results
 def worker(model: str, kv: str, context: int, users: int) -> dict:
     import torch
 
+    from paperback.bench.engines import peak_rss_bytes
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.evaluation import load_text
@@ -45,13 +46,7 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     from paperback.plan.shape import load_shape
 
     lm = load_model(model, "bf16")
-    status = Path("/proc/self/status")
-
-    def rss_peak() -> int:
-        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
-                    if line.startswith("VmHWM:"))
-
-    loading_peak = rss_peak()
+    loading_peak = peak_rss_bytes()
     # Serving memory from here on: loading a GGUF dequantizes through fp32, a transient the plan does not
     # count, so the peak is reset (Linux: 5 > clear_refs sets VmHWM to the current RSS).
     Path("/proc/self/clear_refs").write_text("5")
@@ -92,7 +87,7 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     # every layer's full context, which the same arithmetic predicts without the windows.
     full_context = replace(shape, layer_windows=(None,) * shape.num_layers)
     predicted_engine_kv = kv_bytes(full_context, tokens, kv, users)
-    rss = rss_peak()
+    rss = peak_rss_bytes()
     predicted_weights = weight_bytes(shape, "bf16").total
     return {"model": model, "kv": kv, "context": context, "users": users,
             "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),

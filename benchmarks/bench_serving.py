@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from paperback.memory import kv_bytes_per_token
 from results_io import RESULTS, run_worker, write_results
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
@@ -57,10 +58,6 @@ def workload(tokenizer, requests: int, seed: int, max_prompt: int, max_output: i
         follow = len(tokenizer.encode(paragraphs[i + 1], add_special_tokens=False))
         out.append((prompt, max(8, min(follow, max_output))))
     return out
-
-
-def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -123,8 +120,7 @@ def transformers_worker(args) -> dict:
     engine = TransformersEngine(BenchConfig(model=args.model, dtype="fp32"))
     model = engine.model
     work = workload(engine.tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)
-    per_token = kv_bytes_per_token_hf(model.config)
-    batches = static_batches(work, args.kv_memory_mib * 2 ** 20 // per_token)
+    batches = static_batches(work, args.budget_tokens)  # fp32 token states the KV budget holds
     pad = engine.tokenizer.hf.pad_token_id or 0
     stamps: list[float] = []
 
@@ -151,12 +147,6 @@ def transformers_worker(args) -> dict:
     seconds = time.perf_counter() - start
     return summary(TOOL_NAMES["transformers"], work, seconds, ttfts, held / reserved,
                    {"batches": len(batches), "largest_batch": max(map(len, batches))})
-
-
-def kv_bytes_per_token_hf(config) -> int:
-    heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * 4
 
 
 def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reserve) -> float:
@@ -193,6 +183,7 @@ TOOL_NAMES = {"paged": "paperback paged", "transformers": "transformers static b
 def throughput(args, work, config, previous: dict | None) -> dict:
     """Both tools' rows; a tool left out of --tools keeps its row from the previous run of the same workload."""
     kept = {r["tool"]: r for r in (previous or {}).get("rows", [])}
+    budget_tokens = args.kv_memory_mib * 2 ** 20 // kv_bytes_per_token(config, torch.float32)
     rows = []
     for tool in ("paged", "transformers"):
         if tool not in args.tools:
@@ -204,8 +195,7 @@ def throughput(args, work, config, previous: dict | None) -> dict:
                                 "--seed", str(args.seed), "--kv-memory-mib", str(args.kv_memory_mib),
                                 "--max-num-seqs", str(args.max_num_seqs), "--max-step-tokens",
                                 str(args.max_step_tokens), "--max-prompt", str(args.max_prompt),
-                                "--max-output", str(args.max_output)], tool))
-    budget_tokens = args.kv_memory_mib * 2 ** 20 // kv_bytes_per_token(config, 4)
+                                "--max-output", str(args.max_output), "--budget-tokens", str(budget_tokens)], tool))
     contiguous = {
         "reserve prompt + max_tokens": contiguous_reservation(
             work, budget_tokens, args.max_step_tokens, lambda p, n: len(p) + n),
@@ -268,6 +258,7 @@ def capacity(args) -> dict:
     """Per KV format and sequence length, the most sequences the engine's pool admits in the budget."""
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
+    from paperback.errors import PaperbackError
     from paperback.loading import load_model
 
     lm = load_model(args.model, "bf16", with_tokenizer=False)
@@ -276,7 +267,7 @@ def capacity(args) -> dict:
     def engine_for(kv: str, seqs: int):
         try:  # staging for the exact recent windows is sized by the cap on running sequences
             return LLMEngine(lm, kv=kv, kv_memory=budget, scheduler=SchedulerConfig(seqs, args.max_step_tokens))
-        except Exception:
+        except PaperbackError:  # the staging alone leaves no block
             return None
 
     def fits(kv: str, seqs: int, tokens: int) -> bool:
@@ -323,7 +314,8 @@ def print_tables(report: dict, model: str) -> None:
     if "sharing" in report:
         s = report["sharing"]
         p, sp = s["parallel_sampling"], s["system_prompt"]
-        print_table(f"{model}: KV blocks at peak ({s['block_size']} tokens each)", ["case", "shared", "not shared", "saved"],
+        print_table(f"{model}: KV blocks at peak ({s['block_size']} tokens each)",
+                    ["case", "shared", "not shared", "saved"],
                     [[f"n=4 samples of a {p['prompt_tokens']}-token prompt", p["peak_blocks_forked"],
                       p["peak_blocks_separate"], f"{100 * p['saved']:.0f}%"],
                      [f"{sp['requests']} requests, {sp['system_tokens']}-token system prompt",
@@ -356,6 +348,7 @@ def run() -> int:
     parser.add_argument("--tools", nargs="+", choices=["paged", "transformers"], default=["paged", "transformers"],
                         help="rerun only these; the other keeps its row from the last run of the same workload")
     parser.add_argument("--worker", choices=["paged", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from paperback.loading import load_model
 
