@@ -1,7 +1,7 @@
 """The planner's predictions against the paged engine's measured memory, line by line.
 
     .venv/bin/python benchmarks/bench_plan.py [--models smollm2 gemma3] [--kv fp16 int8 kivi2]
-        [--contexts 1024 4096] [--users 1 4]
+        [--contexts 1024 4096] [--users 1 4] [--markdown]
 
 For each model, KV format, context and number of users, `paperback plan`'s
 arithmetic predicts the weight bytes and the KV bytes of `users`
@@ -14,9 +14,10 @@ layer's format, plus its staging slots), and the process's peak RSS while
 serving (reset after loading, whose dequantizing transient is reported
 apart) beside the plan's total with its runtime allowance. Each configuration runs
 in its own process. The engine does not yet free blocks that slide out of a
-sliding-window layer's window (Gemma 3), so the KV it holds is compared with
-the same arithmetic without the windows; the plan's own figure, which counts
-what a window-aware engine holds, is shown beside it. Writes
+sliding-window layer's window (Gemma 3), so the KV it holds, and the total
+the peak RSS is compared with, use the same arithmetic without the windows;
+the plan's own figure, which counts what a window-aware engine holds, is
+shown beside it. Writes
 benchmarks/results/plan_check.json.
 """
 
@@ -28,7 +29,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from results_io import run_worker, write_results
+from results_io import RESULTS, run_worker, write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -40,13 +41,22 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     from paperback.evaluation import load_text
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
-    from paperback.memory import module_bytes
+    from paperback.memory import module_bytes, release_freed_heap
     from paperback.plan.arithmetic import kv_bytes, weight_bytes
     from paperback.plan.planner import runtime_allowance
     from paperback.plan.shape import load_shape
 
     lm = load_model(model, "bf16")
     loading_peak = peak_rss_bytes()
+    # The prompts are the bench's input, not the server's memory: tokenize just enough text, and before
+    # the peak is reset.
+    text = load_text("wikitext2")
+    ids = lm.tokenizer.encode(text[:users * context * 8], add_special_tokens=False)
+    if len(ids) < users * context:
+        raise SystemExit(f"the text gives only {len(ids)} tokens for {users} x {context}")
+    ids = ids[:users * context]
+    del text
+    release_freed_heap()
     # Serving memory from here on: loading a GGUF dequantizes through fp32, a transient the plan does not
     # count, so the peak is reset (Linux: 5 > clear_refs sets VmHWM to the current RSS).
     Path("/proc/self/clear_refs").write_text("5")
@@ -60,7 +70,6 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     blocks_needed = users * (-(-context // block_size) + 1)
     engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed, prefix_caching=False,
                        scheduler=SchedulerConfig(users, step_tokens))
-    ids = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
     pool = engine.pool
     block = sum(t[0].numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
     stage = sum(layer.stage_keys[0].numel() * layer.stage_keys.element_size() * 2
@@ -89,12 +98,28 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     predicted_engine_kv = kv_bytes(full_context, tokens, kv, users)
     rss = peak_rss_bytes()
     predicted_weights = weight_bytes(shape, "bf16").total
+    allowance = runtime_allowance(shape, step_tokens, users)
     return {"model": model, "kv": kv, "context": context, "users": users,
             "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),
             "kv_predicted": predicted_kv, "kv_predicted_without_windows": predicted_engine_kv,
             "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
-            "total_predicted": predicted_weights + predicted_kv + runtime_allowance(shape, step_tokens),
+            # The total counts the KV this engine holds (no windows), so peak RSS compares line by line.
+            "allowance": allowance.to_dict(),
+            "total_predicted": predicted_weights + predicted_engine_kv + allowance.total,
             "peak_rss": rss, "peak_rss_while_loading": loading_peak}
+
+
+def markdown(rows: list[dict]) -> str:
+    mib = 2 ** 20
+    lines = ["| model | KV | context x users | weights pred / meas MiB | KV plan MiB | KV pred, no windows / meas MiB "
+             "| runtime allowance MiB | total pred MiB | peak RSS MiB (ratio) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['kv']} | {r['context']} x {r['users']} | {r['weights_predicted'] / mib:.1f} / "
+                     f"{r['weights_measured'] / mib:.1f} | {r['kv_predicted'] / mib:.2f} | "
+                     f"{r['kv_predicted_without_windows'] / mib:.2f} / {r['kv_measured'] / mib:.2f} | "
+                     f"{r['allowance']['total'] / mib:.0f} | {r['total_predicted'] / mib:.0f} | "
+                     f"{r['peak_rss'] / mib:.0f} ({r['peak_rss'] / r['total_predicted']:.3f}) |")
+    return "\n".join(lines)
 
 
 def run() -> int:
@@ -103,8 +128,12 @@ def run() -> int:
     parser.add_argument("--kv", nargs="+", default=["fp16", "int8", "kivi2"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads((RESULTS / "plan_check.json").read_text())["rows"]))
+        return 0
     if args.worker:
         model, kv, context, users = args.worker
         print(json.dumps(worker(model, kv, int(context), int(users))))

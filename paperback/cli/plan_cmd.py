@@ -67,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
                                                   if r["weight_overhead_bytes"] else ""),
              f"{r['total_bytes'] / gib:.2f}", f"{r['headroom_bytes'] / gib:+.2f}", "yes" if r["fits"] else "no",
              r["max_context"], r["max_users"]] for r in report["rows"]]
+    parts = report["allowance"]
     print_table(f"{shape.name}: {args.users} x {args.context} tokens in {memory / gib:.1f} GiB "
-                f"(allowance {report['allowance_bytes'] / gib:.2f} GiB for the runtime)",
+                f"(runtime allowance {parts['total'] / gib:.2f} GiB: runtime {parts['runtime'] / gib:.2f}, "
+                f"tokenizer {parts['tokenizer'] / gib:.2f}, activations {parts['activations'] / gib:.2f}, "
+                f"logits {parts['logits'] / gib:.2f})",
                 ["weights", "KV", "KiB/token", "KV 4k GiB", "KV 32k GiB", f"KV x{args.users} GiB", "weights GiB",
                  "total GiB", "headroom", "fits", f"max ctx ({args.users} users)", f"max users ({args.context})"],
                 rows)

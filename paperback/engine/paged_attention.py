@@ -3,9 +3,9 @@
 The keys and values of a sequence live in the blocks its block table lists.
 `paged_attention` walks those blocks a few at a time (`blocks_per_step`),
 asks `read_blocks` for them as dense keys and values (for a quantized format,
-that is where they are decoded), and merges the partial results with the
-running maximum and normaliser of an online softmax (as FlashAttention and
-vLLM's paged kernels do). So the temporary memory per step is bounded by
+that is where they are decoded), and merges the partial results by their
+log-sum-exp, an online softmax (as FlashAttention and vLLM's paged kernels
+do). So the temporary memory per step is bounded by
 `blocks_per_step` blocks, never a dense copy of the sequence's whole cache.
 """
 
@@ -27,36 +27,82 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
     Keys are at positions 0 .. seq_len - 1 in the blocks of `block_table`
     (the last block may be partly filled). Causal; with `window`, a query at
     p sees keys in (p - window, p], as sliding-window layers do.
+
+    Each step's blocks go through PyTorch's fused CPU attention kernel, which
+    also returns the log-sum-exp of each row's scores; the steps' outputs are
+    merged by those (the online softmax, one step at a time). The fused kernel
+    never holds a (T x keys) score matrix in memory, which in plain tensor
+    code costs several such matrices per step (scores, mask, exponentials):
+    at 512 new tokens x 512 keys x 9 heads, 40 MiB of temporaries that the C
+    allocator then keeps.
     """
-    heads, num_new, _ = q.shape
+    heads, num_new, dim = q.shape
     first_pos = seq_len - num_new
     q_pos = torch.arange(first_pos, seq_len, device=q.device)[:, None]  # (T, 1)
     # Blocks entirely before every query's window are never read.
     lo_block = 0 if window is None else max(0, first_pos - window + 1) // block_size
     hi_block = -(-seq_len // block_size)
-    q32 = q.float() * scaling
-    running_max = torch.full((heads, num_new, 1), float("-inf"), device=q.device)
-    running_sum = torch.zeros((heads, num_new, 1), device=q.device)
-    acc = torch.zeros((heads, num_new, q.shape[-1]), device=q.device)
+    # fp32 throughout, as the scores were before: the fused kernel rounds bf16 probabilities to bf16 before
+    # multiplying the values, and in fp32 it is as fast on this CPU.
+    q32 = q.float()
+    out = lse = None
     for start in range(lo_block, hi_block, blocks_per_step):
         ids = block_table[start:min(start + blocks_per_step, hi_block)]
         k, v = read_blocks(ids)  # (n, Hkv, bs, D)
         kv_heads = k.shape[1]
-        k = k.permute(1, 0, 2, 3).reshape(kv_heads, -1, k.shape[-1]).float()  # (Hkv, n * bs, D)
-        v = v.permute(1, 0, 2, 3).reshape(kv_heads, -1, v.shape[-1]).float()
+        # Only written slots: the last block's others hold stale bytes, maybe NaN.
+        written = min(len(ids) * block_size, seq_len - start * block_size)
+        k = k.permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :written].float()
+        v = v.permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :written].float()
         if kv_heads != heads:  # grouped-query attention: each KV head serves heads / Hkv query heads
             k = k.repeat_interleave(heads // kv_heads, dim=0)
             v = v.repeat_interleave(heads // kv_heads, dim=0)
-        k_pos = torch.arange(start * block_size, start * block_size + k.shape[1], device=q.device)[None, :]
-        written = k_pos[0] < seq_len
-        if not written.all():  # the last block's unwritten slots hold stale bytes, maybe NaN: keep them out of p @ v
-            v = v.masked_fill(~written[None, :, None], 0.0)
-        visible = (k_pos <= q_pos) & written
+        k_pos = torch.arange(start * block_size, start * block_size + written, device=q.device)[None, :]
+        visible = k_pos <= q_pos
         if window is not None:
             visible &= k_pos > q_pos - window
-        scores = (q32 @ k.transpose(1, 2)).masked_fill(~visible, float("-inf"))  # (H, T, n * bs)
-        running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
-    return (acc / running_sum).to(q.dtype)
+        step_out, step_lse = _fused_attention(q32, k, v, visible, scaling)
+        if out is None:
+            out, lse = step_out, step_lse
+        else:
+            out, lse = _merge_partial(out, lse, step_out, step_lse)
+    return out.to(q.dtype)
+
+
+def _fused_attention(q, k, v, visible, scaling):
+    """Attention of q (H, T, D) over k, v (H, S, D) where visible (T, S); returns fp32 output and log-sum-exp.
+
+    Rows that see no key here get output 0 and log-sum-exp -inf, so merging ignores them.
+    """
+    everything = bool(visible.all())
+    mask = None if everything else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scaling) if q.device.type == "cpu" else \
+        _attention_with_lse(q[None], k[None], v[None], mask, scaling)
+    out, lse = out[0].float(), lse[0]
+    if not everything:
+        seen = visible.any(-1)  # (T,)
+        lse = lse.masked_fill(~seen[None, :], float("-inf"))
+        out = out.masked_fill(~seen[None, :, None], 0.0)
+    return out, lse
+
+
+def _attention_with_lse(q, k, v, mask, scaling):
+    """The same in plain tensor code, for devices without the fused CPU kernel."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    return probs @ v.float(), lse
+
+
+def _merge_partial(out, lse, step_out, step_lse):
+    """Combine two softmax-attention results over disjoint keys by their log-sum-exps."""
+    new_lse = torch.logaddexp(lse, step_lse)
+    safe = new_lse.masked_fill(torch.isinf(new_lse), 0.0)  # rows with nothing seen yet stay 0
+    return (out * torch.exp(lse - safe)[..., None] + step_out * torch.exp(step_lse - safe)[..., None]), new_lse
 
 
 def _online_softmax_step(scores, v, running_max, running_sum, acc):

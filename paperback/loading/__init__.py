@@ -14,6 +14,7 @@ from paperback.loading.gguf_file import GGUFModelFile
 from paperback.loading.hf_dir import HFModelDir, read_safetensors
 from paperback.loading.sources import ModelSource, resolve_model
 from paperback.loading.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+from paperback.memory import release_freed_heap
 from paperback.models import DecoderLM, ModelConfig, build_model
 from paperback.models.layers import RotaryEmbedding
 
@@ -97,6 +98,13 @@ def _generation_eos(path) -> tuple[int, ...]:
 
 def load_model(spec: str | None = None, dtype: str | torch.dtype = "fp32", with_tokenizer: bool = True) -> LoadedModel:
     """Load a bundled model name, a .gguf file or a Hugging Face directory."""
+    loaded = _load(spec, dtype, with_tokenizer)
+    # The file readers and loading temporaries are gone now; serving should not carry what they left behind.
+    release_freed_heap()
+    return loaded
+
+
+def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> LoadedModel:
     dtype = parse_dtype(dtype)
     source = resolve_model(spec)
     # Weights first: a damaged tensor is the likelier fault and the costlier one to find late.

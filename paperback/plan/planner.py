@@ -20,7 +20,14 @@ from paperback.plan.arithmetic import WeightBytes, kv_bytes, kv_bytes_per_token,
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
-FRAMEWORK_BYTES = 512 * 2 ** 20  # interpreter, torch, allocator slack: a stated constant, not a measurement
+# The runtime allowance's fixed parts, stated constants measured on this project's CPU hosts (RSS, Linux):
+# a process that has loaded a default model and served one short request holds 283-323 MiB besides its
+# weights and tokenizer (Python, torch, transformers, what loading imports, the kernels' first-use state);
+# a Hugging Face fast tokenizer 1.0-1.35 KiB per vocabulary entry (SmolLM2's 49k: 49 MiB, Gemma 3's 262k:
+# 338 MiB).
+RUNTIME_BYTES = 304 * 2 ** 20
+TOKENIZER_BYTES_PER_ENTRY = 1280
+ATTENTION_KEYS_PER_STEP = 512  # keys the paged attention scores at once (32 blocks of 16)
 WEIGHT_SCHEMES = ("fp16", "W8", "W4", "W3")
 KV_FORMATS = ("fp16", "fp8", "int8", "int4", "kivi2")
 # llama.cpp cache types by KV format (-ctk / -ctv); vLLM --kv-cache-dtype
@@ -42,10 +49,34 @@ def parse_weight_scheme(label: str) -> str | QuantScheme:
     return QuantScheme(int(m[1]), None if m[3] == "ch" else int(m[3][1:]), m[2] == "s")
 
 
-def runtime_allowance(shape: ModelShape, chunk: int = 512) -> int:
-    """Framework overhead plus fp32 activations of one prefill chunk (hidden, MLP, logits rows)."""
-    per_token = 4 * shape.hidden_size + 2 * shape.intermediate_size * shape.experts_per_token + shape.vocab_size
-    return FRAMEWORK_BYTES + chunk * per_token * 4
+@dataclass
+class RuntimeAllowance:
+    """What a serving process holds besides weights and KV cache, part by part."""
+    runtime: int  # interpreter and libraries
+    tokenizer: int
+    activations: int  # one prefill chunk through one layer, fp32
+    logits: int  # the rows sampled in one step: one per running sequence
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.tokenizer + self.activations + self.logits
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def runtime_allowance(shape: ModelShape, chunk: int = 512, users: int = 1) -> RuntimeAllowance:
+    """The runtime, the tokenizer, fp32 activations of one `chunk`-token prefill step, and logits for `users` rows.
+
+    Activations per chunk token: the residual stream and its normed copy, the attention output and the
+    projected queries (4 x hidden), the MLP's gate and up products (2 x intermediate per active expert),
+    and the scores and probabilities against one step of keys per query head. Logits are computed only
+    for the rows a step samples, and softmax makes a second copy.
+    """
+    per_token = (4 * shape.hidden_size + 2 * shape.intermediate_size * shape.experts_per_token
+                 + 2 * shape.num_heads * ATTENTION_KEYS_PER_STEP)
+    return RuntimeAllowance(RUNTIME_BYTES, TOKENIZER_BYTES_PER_ENTRY * shape.vocab_size, chunk * per_token * 4,
+                            2 * users * shape.vocab_size * 4)
 
 
 @dataclass
@@ -86,7 +117,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
     if memory <= 0 or context <= 0 or users <= 0:
         raise PaperbackError("memory, context and users must be positive")
     longest = max(context, shape.max_position_embeddings)
-    allowance = runtime_allowance(shape, chunk)
+    allowance = runtime_allowance(shape, chunk, users)
     rows = []
     for w_label in weight_schemes:
         w = (known_weights or {}).get(w_label) or weight_bytes(shape, parse_weight_scheme(w_label))
@@ -94,10 +125,10 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
             kv = (kv_policies or {}).get(kv_label) or parse_kv_scheme(kv_label)
             for scheme in layer_kv_schemes(shape, kv):
                 scheme.check_head_dim(shape.head_dim)
-            fixed = w.total + allowance
+            fixed = w.total + allowance.total
 
-            def fits(ctx, n, _kv=kv, _fixed=fixed):
-                return _fixed + kv_bytes(shape, ctx, _kv, n) <= memory
+            def fits(ctx, n, _kv=kv, _w=w.total):
+                return _w + runtime_allowance(shape, chunk, n).total + kv_bytes(shape, ctx, _kv, n) <= memory
 
             cache = kv_bytes(shape, context, kv, users)
             total = fixed + cache
@@ -132,7 +163,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
                               f"tokens or {users} users at {nearest.max_context} tokens")
     chosen = verdict.get("lever_row") or base.to_dict()
     return {"model": shape.name, "source": shape.source, "memory": memory, "context": context, "users": users,
-            "allowance_bytes": allowance, "rows": [r.to_dict() for r in rows], "verdict": verdict,
+            "allowance_bytes": allowance.total, "allowance": allowance.to_dict(), "rows": [r.to_dict() for r in rows], "verdict": verdict,
             "flags": hand_off_flags(chosen, context, users, memory)}
 
 

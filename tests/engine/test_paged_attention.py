@@ -104,3 +104,19 @@ def test_batched_decode_equals_one_call_per_sequence(window):
         alone = paged_attention(q[i][:, None], lambda ids: (keys[ids], values[ids]), t, n, bs, 0.25, window,
                                 blocks_per_step=3)
         assert torch.allclose(together[i], alone[:, 0], atol=1e-5)
+
+
+def test_plain_fallback_equals_the_fused_kernel():
+    """Devices without the fused CPU kernel take plain tensor code: same outputs and log-sum-exps."""
+    from paperback.engine.paged_attention import _attention_with_lse
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    visible = torch.rand(6, 9) > 0.3
+    visible[0] = False  # a row that sees nothing: output 0, log-sum-exp -inf after _fused_attention
+    mask = torch.zeros(6, 9).masked_fill(~visible, float("-inf"))
+    fused_out, fused_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=0.3)
+    plain_out, plain_lse = _attention_with_lse(q, k, v, mask, 0.3)
+    assert torch.allclose(fused_out[:, :, 1:], plain_out[:, :, 1:], atol=1e-5)
+    assert torch.allclose(fused_lse[:, :, 1:], plain_lse[:, :, 1:], atol=1e-5)
