@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     quantized = quantize_model(lm.model, config, calibration, progress=not args.json)
     seconds = time.perf_counter() - start
     swap_in_quantized(lm.model, quantized)
-    forward_dtype = "bf16" if autocast_dtype(config, lm.model.output_weight().device) else "fp32"
+    forward_dtype = "bf16" if autocast_dtype(config, lm.model.device) else "fp32"
     recipe = {
         "source_model": str(lm.source.path),
         "method": args.method,

@@ -35,7 +35,7 @@ class PagedWindowCache:
         self.blocks = BlockManager(-(-max_len // block_size), block_size, prefix_caching=False)
         self.blocks.allocate(SEQ_ID, [0] * max_len)
         self.pool = PagedKVPool(config, policy, self.blocks.num_blocks, block_size, model.dtype, stage,
-                                model.output_weight().device, kv_amax)
+                                model.device, kv_amax)
         self.pool.start(SEQ_ID, 0)
         self.table = torch.tensor(self.blocks.table(SEQ_ID))
         self.chunk = chunk

@@ -119,7 +119,7 @@ class QuantizedKVCache:
     @classmethod
     def factory(cls, model, policy: KVPolicy, kv_amax: dict | None = None, batch_size: int = 1):
         """A function of n making a cache of n tokens for `model` (what evaluate() takes)."""
-        device = model.output_weight().device
+        device = model.device
         return lambda n: cls(model.config, policy, batch_size, n, model.dtype, device, kv_amax)
 
     def bits_per_element(self) -> float:

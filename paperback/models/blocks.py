@@ -149,6 +149,11 @@ class DecoderLM(nn.Module):
         """Runtime dtype of activations (the final norm's, which is never quantized)."""
         return self.model.norm.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (the final norm's device: it is never quantized, unlike the head)."""
+        return self.model.norm.weight.device
+
     def output_head(self) -> nn.Module:
         """The module holding the (V, C) output matrix: lm_head, or the embedding when tied."""
         return self.model.embed_tokens if self.lm_head is None else self.lm_head

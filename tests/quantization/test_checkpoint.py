@@ -93,6 +93,16 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
                                     "bits_per_weight": pytest.approx(summary["bits_per_weight"])}
 
 
+def test_cli_quantizes_the_head_and_the_packed_head_runs_a_quantized_cache(tmp_path, capsys):
+    """With the tied head packed, nothing may ask the head for a plain weight (it has none)."""
+    out = tmp_path / "smol-w4-head"
+    assert main(["quantize", "smollm2", "--method", "rtn", "--bits", "4", "--group-size", "128",
+                 "--targets", "blocks,head", "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 211
+    assert main(["eval", str(out), "--context", "128", "--max-windows", "1", "--kv", "int8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["perplexity"] > 1
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
 def test_embedding_and_head_as_targets_round_trip(tmp_path, tied, method):
