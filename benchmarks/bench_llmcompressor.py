@@ -64,9 +64,9 @@ def markdown(result: dict, data: list[str]) -> str:
     lines = [f"| {result['model']} {label} | quantize s | " + " | ".join(names.get(d, d) for d in data) + " |",
              "|---" * (2 + len(data)) + "|"]
     for r in result["rows"]:
-        seconds = r["quantize_seconds"]
-        lines.append(f"| {r['tool']} | {seconds:.0f} | " if seconds >= 10 else f"| {r['tool']} | {seconds:.1f} | ")
-        lines[-1] += " | ".join(f"{r[d]['perplexity']:.2f} ({r[d]['kl']:.3f})" for d in data) + " |"
+        seconds = f"{r['quantize_seconds']:.0f}" if r["quantize_seconds"] >= 10 else f"{r['quantize_seconds']:.1f}"
+        cells = " | ".join(f"{r[d]['perplexity']:.2f} ({r[d]['kl']:.3f})" for d in data)
+        lines.append(f"| {r['tool']} | {seconds} | {cells} |")
     return "\n".join(lines)
 
 

@@ -42,7 +42,8 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
     from paperback.memory import module_bytes, release_freed_heap
-    from paperback.plan.arithmetic import kv_bytes, weight_bytes
+    from paperback.kv.schemes import paged_block_size
+    from paperback.plan.arithmetic import kv_bytes, layer_kv_schemes, weight_bytes
     from paperback.plan.planner import runtime_allowance
     from paperback.plan.shape import load_shape
 
@@ -62,9 +63,7 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     shape = load_shape(model)
     step_tokens = 512  # the prefill chunk the plan's runtime allowance is sized for
-    probe = LLMEngine(lm, kv=kv, num_blocks=1, scheduler=SchedulerConfig(users, step_tokens))
-    block_size = probe.blocks.block_size
-    del probe
+    block_size = paged_block_size(layer_kv_schemes(shape, kv))  # as the engine picks it
     # The pool holds what the users need plus one block each (admission keeps one free per running
     # sequence), no more: the peak RSS then compares with the plan's total line by line.
     blocks_needed = users * (-(-context // block_size) + 1)

@@ -129,7 +129,7 @@ def write_plot(shape, report: dict, path: Path, policies: dict | None = None) ->
     fig, ax = plt.subplots(figsize=(8, 4.5))
     gib = 2 ** 30
     for r in report["rows"]:
-        fixed = r["weight_bytes"] + report["allowance_bytes"]
+        fixed = r["weight_bytes"] + report["allowance"]["total"]
         kv = (policies or {}).get(r["kv"]) or r["kv"]
         ax.plot(contexts, [(fixed + kv_bytes(shape, c, kv, report["users"])) / gib for c in contexts],
                 marker=".", label=f"{r['weights']} / {r['kv']}")

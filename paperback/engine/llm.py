@@ -26,6 +26,7 @@ from paperback.errors import ContextLengthError, PaperbackError
 from paperback.generation.generate import IncrementalDetokenizer, _find_stop
 from paperback.generation.sampling import SamplingParams, make_generator, sample
 from paperback.kv.policy import KVPolicy, build_policy
+from paperback.kv.schemes import paged_block_size
 from paperback.memory import dtype_bytes
 
 
@@ -89,7 +90,7 @@ class LLMEngine:
         if kv_amax is None and policy.needs_fp8_calibration(config.num_layers):
             kv_amax = default_kv_amax(lm)
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
-        block_size = math.lcm(block_size, *(s.flush_group for s in schemes))
+        block_size = paged_block_size(schemes, block_size)
         residual = max((s.residual for s in schemes if not s.is_native), default=0)
         quantized = any(not s.is_native for s in schemes)
         stage_blocks = 0

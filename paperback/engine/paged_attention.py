@@ -77,9 +77,11 @@ def _fused_attention(q, k, v, visible, scaling):
     everything = bool(visible.all())
     mask = None if everything else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(
         ~visible, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scaling) if q.device.type == "cpu" else \
-        _attention_with_lse(q[None], k[None], v[None], mask, scaling)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scaling)
+    else:
+        out, lse = _attention_with_lse(q[None], k[None], v[None], mask, scaling)
     out, lse = out[0].float(), lse[0]
     if not everything:
         seen = visible.any(-1)  # (T,)
@@ -123,8 +125,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     q (B, H, D) at positions lengths - 1; keys, values (num_blocks, Hkv, bs, D)
     the pool's storage; tables (B, max blocks) each sequence's block ids
     (padding entries may name any block: they are masked). Returns (B, H, D).
-    The same online softmax as `paged_attention`, with the loop over blocks
-    shared by the whole batch instead of one call per sequence: decode steps
+    An online softmax with a running maximum (one query row per sequence is
+    too little work for the fused kernel), with the loop over blocks shared
+    by the whole batch instead of one call per sequence: decode steps
     are where an engine spends its time, and per-sequence calls cost more
     in overhead than in arithmetic.
     """

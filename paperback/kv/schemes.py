@@ -146,6 +146,11 @@ _SETTINGS = {
 }
 
 
+def paged_block_size(schemes, base: int = 16) -> int:
+    """The block size of a paged pool holding these layers' formats: `base`, or a multiple of every token group."""
+    return math.lcm(base, *(s.flush_group for s in schemes))
+
+
 def parse_kv_scheme(spec: str) -> KVScheme:
     """'kivi2', 'int4:vg=32,r=64', 'fp8-e5m2:scale=calibrated', 'pnmix:hi=8,lo=1,top=6' -> KVScheme."""
     name, _, rest = spec.strip().partition(":")

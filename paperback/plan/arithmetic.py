@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paperback.kv.policy import KVPolicy
-from paperback.kv.schemes import KVScheme, parse_kv_scheme
+from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
@@ -126,8 +126,7 @@ def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme | KVPolicy = "f
     window it holds more (benchmarks/bench_plan.py shows how much).
     """
     schemes = layer_kv_schemes(shape, kv)
-    # One block size for the whole pool, as the engine picks it: a multiple of every layer's token group.
-    block = math.lcm(block_size, *(s.flush_group for s in schemes))
+    block = paged_block_size(schemes, block_size)  # one block size for the whole pool, as the engine picks it
     channels = 2 * shape.num_kv_heads * shape.head_dim
     bits = sum(s.paged_bits(min(context, w) if w else context, shape.head_dim, block)
                for s, w in zip(schemes, shape.layer_windows))

@@ -163,7 +163,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
                               f"tokens or {users} users at {nearest.max_context} tokens")
     chosen = verdict.get("lever_row") or base.to_dict()
     return {"model": shape.name, "source": shape.source, "memory": memory, "context": context, "users": users,
-            "allowance_bytes": allowance.total, "allowance": allowance.to_dict(), "rows": [r.to_dict() for r in rows], "verdict": verdict,
+            "allowance": allowance.to_dict(), "rows": [r.to_dict() for r in rows], "verdict": verdict,
             "flags": hand_off_flags(chosen, context, users, memory)}
 
 
