@@ -96,7 +96,8 @@ def paged_worker(args) -> dict:
     assert sorted(len(o.outputs[0].token_ids) for o in outputs) == sorted(n for _, n in work)
     return summary(TOOL_NAMES["paged"], work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
                    held / reserved, {"kv_pool_bytes": engine.pool.nbytes, "peak_running": peak_running,
-                                     "preemptions": sum(o.timings["preemptions"] for o in outputs)})
+                                     "preemptions": sum(o.timings["preemptions"] for o in outputs),
+                                     "positions_computed": engine.positions_computed})
 
 
 def static_batches(work, budget_tokens: int) -> list[list[int]]:
@@ -129,7 +130,7 @@ def transformers_worker(args) -> dict:
             stamps.append(time.perf_counter())
             return scores
 
-    ttfts, held, reserved = [], 0, 0
+    ttfts, held, reserved, positions = [], 0, 0, 0
     start = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
@@ -141,12 +142,13 @@ def transformers_worker(args) -> dict:
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            pad_token_id=pad, logits_processor=LogitsProcessorList([FirstToken()]))
             ttfts += [stamps[0] - start] * len(batch)
+            positions += len(batch) * (width + new - 1)  # padded prompts, then one position per row per step
             for step in range(new):  # the padded cache after each step, and the real states inside it
                 reserved += len(batch) * (width + step)
                 held += sum(len(work[i][0]) + min(step, work[i][1]) for i in batch)
     seconds = time.perf_counter() - start
     return summary(TOOL_NAMES["transformers"], work, seconds, ttfts, held / reserved,
-                   {"batches": len(batches), "largest_batch": max(map(len, batches))})
+                   {"batches": len(batches), "largest_batch": max(map(len, batches)), "positions_computed": positions})
 
 
 def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reserve) -> float:
@@ -203,7 +205,11 @@ def throughput(args, work, config, previous: dict | None) -> dict:
             work, budget_tokens, args.max_step_tokens, lambda p, n: config.max_position_embeddings)
         if config.max_position_embeddings <= budget_tokens else None,
     }
+    # Throughput splits into work avoided (positions each tool runs through the model) and speed per position.
+    useful = sum(len(p) + n - 1 for p, n in work)  # a request's last token is sampled, never run
+    work_ratio = rows[1].get("positions_computed", 0) / rows[0].get("positions_computed", 1)
     return {"rows": rows, "speedup": rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"],
+            "useful_positions": useful, "work_ratio": work_ratio,
             "contiguous_utilization": contiguous, "budget_tokens": budget_tokens}
 
 
@@ -304,13 +310,19 @@ def print_tables(report: dict, model: str) -> None:
         t = report["throughput"]
         print_table(f"{model}: {t['rows'][0]['requests']} requests, KV budget {report['kv_memory_mib']} MiB "
                     f"({t['budget_tokens']} fp32 token states)",
-                    ["tool", "req/s", "output tok/s", "TTFT p50 s", "TTFT p99 s", "KV in use holding tokens"],
+                    ["tool", "req/s", "output tok/s", "TTFT p50 s", "TTFT p99 s", "KV in use holding tokens",
+                     "positions run", "positions/s"],
                     [[r["tool"], f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-                      f"{r['ttft_p50_s']:.1f}", f"{r['ttft_p99_s']:.1f}", f"{100 * r['kv_utilization']:.1f}%"]
+                      f"{r['ttft_p50_s']:.1f}", f"{r['ttft_p99_s']:.1f}", f"{100 * r['kv_utilization']:.1f}%",
+                      r.get("positions_computed", ""),
+                      f"{r['positions_computed'] / r['seconds']:.0f}" if "positions_computed" in r else ""]
                      for r in t["rows"]]
-                    + [[f"contiguous, {k}", "", "", "", "", f"{100 * v:.1f}%" if v is not None else "does not fit"]
-                       for k, v in t["contiguous_utilization"].items()])
+                    + [[f"contiguous, {k}", "", "", "", "", f"{100 * v:.1f}%" if v is not None else "does not fit",
+                        "", ""] for k, v in t["contiguous_utilization"].items()])
         print(f"paged / transformers output tokens/s: {t['speedup']:.2f}x")
+        if t.get("work_ratio"):
+            print(f"positions transformers runs per position paperback runs: {t['work_ratio']:.2f}x "
+                  f"({t['useful_positions']} needed); the rest of the ratio is speed per position")
     if "sharing" in report:
         s = report["sharing"]
         p, sp = s["parallel_sampling"], s["system_prompt"]

@@ -117,6 +117,7 @@ class LLMEngine:
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
                                    on_free=lambda seq: self.pool.release(seq.seq_id))
         self.requests: dict[str, _Request] = {}
+        self.positions_computed = 0  # token positions run through the model, recomputed ones included
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -163,6 +164,7 @@ class LLMEngine:
         batch = StepBatch(self.pool, seqs)
         ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]])
         hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
+        self.positions_computed += ids.shape[1]
         ends, samplers = [], []
         offset = 0
         for seq, n in plan.work:

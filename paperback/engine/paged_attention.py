@@ -7,6 +7,12 @@ that is where they are decoded), and merges the partial results by their
 log-sum-exp, an online softmax (as FlashAttention and vLLM's paged kernels
 do). So the temporary memory per step is bounded by
 `blocks_per_step` blocks, never a dense copy of the sequence's whole cache.
+
+Prefill chunks and decode tokens take the same path. A decode step calls it
+once per sequence: only the blocks a sequence holds are gathered, where one
+batched call over a padded (sequences x longest table) gather copied and
+masked every sequence up to the longest one's length (4x slower at 34
+sequences of 100-700 tokens).
 """
 
 from __future__ import annotations
@@ -28,40 +34,34 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
     (the last block may be partly filled). Causal; with `window`, a query at
     p sees keys in (p - window, p], as sliding-window layers do.
 
-    Each step's blocks go through PyTorch's fused CPU attention kernel, which
-    also returns the log-sum-exp of each row's scores; the steps' outputs are
+    Each step reads only the written key positions some query can see, and
+    runs them through PyTorch's fused CPU attention kernel, which also
+    returns the log-sum-exp of each row's scores; the steps' outputs are
     merged by those (the online softmax, one step at a time). The fused kernel
     never holds a (T x keys) score matrix in memory, which in plain tensor
     code costs several such matrices per step (scores, mask, exponentials):
     at 512 new tokens x 512 keys x 9 heads, 40 MiB of temporaries that the C
-    allocator then keeps.
+    allocator then keeps. When every query sees every key of a step (always
+    for a decode token) no mask is built.
     """
     heads, num_new, dim = q.shape
     first_pos = seq_len - num_new
-    q_pos = torch.arange(first_pos, seq_len, device=q.device)[:, None]  # (T, 1)
-    # Blocks entirely before every query's window are never read.
-    lo_block = 0 if window is None else max(0, first_pos - window + 1) // block_size
-    hi_block = -(-seq_len // block_size)
-    # fp32 throughout, as the scores were before: the fused kernel rounds bf16 probabilities to bf16 before
-    # multiplying the values, and in fp32 it is as fast on this CPU.
+    lo_pos = 0 if window is None else max(0, first_pos - window + 1)  # keys before every window are never read
+    lo_block, hi_block = lo_pos // block_size, -(-seq_len // block_size)
+    # fp32 throughout: the fused kernel rounds bf16 probabilities to bf16 before multiplying the values, and in
+    # fp32 it is as fast on this CPU.
     q32 = q.float()
     out = lse = None
     for start in range(lo_block, hi_block, blocks_per_step):
         ids = block_table[start:min(start + blocks_per_step, hi_block)]
         k, v = read_blocks(ids)  # (n, Hkv, bs, D)
-        kv_heads = k.shape[1]
-        # Only written slots: the last block's others hold stale bytes, maybe NaN.
-        written = min(len(ids) * block_size, seq_len - start * block_size)
-        k = k.permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :written].float()
-        v = v.permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :written].float()
-        if kv_heads != heads:  # grouped-query attention: each KV head serves heads / Hkv query heads
-            k = k.repeat_interleave(heads // kv_heads, dim=0)
-            v = v.repeat_interleave(heads // kv_heads, dim=0)
-        k_pos = torch.arange(start * block_size, start * block_size + written, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if window is not None:
-            visible &= k_pos > q_pos - window
-        step_out, step_lse = _fused_attention(q32, k, v, visible, scaling)
+        kv_heads, base = k.shape[1], start * block_size
+        # Only written, possibly visible slots: the last block's others hold stale bytes, maybe NaN.
+        lo, hi = max(lo_pos, base) - base, min(base + len(ids) * block_size, seq_len) - base
+        k = k.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+        v = v.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+        visible = _visibility(base + lo, base + hi, first_pos, seq_len, window, q.device)
+        step_out, step_lse = _grouped_attention(q32, k, v, visible, scaling)
         if out is None:
             out, lse = step_out, step_lse
         else:
@@ -69,21 +69,43 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
     return out.to(q.dtype)
 
 
-def _fused_attention(q, k, v, visible, scaling):
-    """Attention of q (H, T, D) over k, v (H, S, D) where visible (T, S); returns fp32 output and log-sum-exp.
+def _visibility(key_lo: int, key_hi: int, first_pos: int, seq_len: int, window: int | None, device):
+    """(T, keys) bool of which queries see which keys in [key_lo, key_hi); None when all see all."""
+    sees_all = key_hi - 1 <= first_pos and (window is None or key_lo > seq_len - 1 - window)
+    if sees_all:
+        return None
+    q_pos = torch.arange(first_pos, seq_len, device=device)[:, None]
+    k_pos = torch.arange(key_lo, key_hi, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    return visible
 
-    Rows that see no key here get output 0 and log-sum-exp -inf, so merging ignores them.
+
+def _grouped_attention(q, k, v, visible, scaling):
+    """q (H, T, D) over k, v (Hkv, S, D), where visible (T, S) or None; returns fp32 (H, T, D) and lse (H, T).
+
+    Grouped-query attention without copying keys per query head: the H / Hkv
+    query heads that share a KV head are laid out as that head's rows (a
+    view of q), so the kernel sees Hkv heads of (H / Hkv) x T queries. Rows
+    that see no key here get output 0 and log-sum-exp -inf, so merging
+    ignores them.
     """
-    everything = bool(visible.all())
-    mask = None if everything else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~visible, float("-inf"))
+    heads, num_new, dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    rows = q.reshape(kv_heads, group * num_new, dim)
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+        mask = mask.repeat(group, 1)  # (group x T, S): the same mask for every query head of the group
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scaling)
+            rows[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scaling)
     else:
-        out, lse = _attention_with_lse(q[None], k[None], v[None], mask, scaling)
-    out, lse = out[0].float(), lse[0]
-    if not everything:
+        out, lse = _attention_with_lse(rows[None], k[None], v[None], mask, scaling)
+    out, lse = out[0].float().reshape(heads, num_new, dim), lse[0].reshape(heads, num_new)
+    if visible is not None:
         seen = visible.any(-1)  # (T,)
         lse = lse.masked_fill(~seen[None, :], float("-inf"))
         out = out.masked_fill(~seen[None, :, None], 0.0)
@@ -105,52 +127,3 @@ def _merge_partial(out, lse, step_out, step_lse):
     new_lse = torch.logaddexp(lse, step_lse)
     safe = new_lse.masked_fill(torch.isinf(new_lse), 0.0)  # rows with nothing seen yet stay 0
     return (out * torch.exp(lse - safe)[..., None] + step_out * torch.exp(step_lse - safe)[..., None]), new_lse
-
-
-def _online_softmax_step(scores, v, running_max, running_sum, acc):
-    """Fold one chunk of scores (-inf where masked) and its values into the running max, sum and output."""
-    new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
-    safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)  # rows with nothing visible yet
-    probs = torch.exp(scores - safe_max)
-    correction = torch.exp(torch.where(torch.isinf(running_max), torch.full_like(running_max, float("-inf")),
-                                       running_max - safe_max))
-    return new_max, running_sum * correction + probs.sum(-1, keepdim=True), acc * correction + probs @ v
-
-
-def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scaling: float, window: int | None = None,
-                           blocks_per_step: int = 32) -> torch.Tensor:
-    """One new query per sequence, for a batch of sequences at once, over native (unencoded) blocks.
-
-    q (B, H, D) at positions lengths - 1; keys, values (num_blocks, Hkv, bs, D)
-    the pool's storage; tables (B, max blocks) each sequence's block ids
-    (padding entries may name any block: they are masked). Returns (B, H, D).
-    An online softmax with a running maximum (one query row per sequence is
-    too little work for the fused kernel), with the loop over blocks shared
-    by the whole batch instead of one call per sequence: decode steps
-    are where an engine spends its time, and per-sequence calls cost more
-    in overhead than in arithmetic.
-    """
-    batch, heads, dim = q.shape
-    kv_heads, block_size = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    qg = (q.float() * scaling).view(batch, kv_heads, group, dim)
-    q_pos = (lengths - 1)[:, None]  # (B, 1)
-    running_max = torch.full((batch, kv_heads, group, 1), float("-inf"), device=q.device)
-    running_sum = torch.zeros((batch, kv_heads, group, 1), device=q.device)
-    acc = torch.zeros((batch, kv_heads, group, dim), device=q.device)
-    hi_block = -(-int(lengths.max()) // block_size)
-    lo_block = 0 if window is None else max(0, int(lengths.min()) - window) // block_size
-    for start in range(lo_block, hi_block, blocks_per_step):
-        ids = tables[:, start:min(start + blocks_per_step, hi_block)]  # (B, n)
-        n = ids.shape[1]
-        k = keys[ids].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_size, dim).float()
-        v = values[ids].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * block_size, dim).float()
-        k_pos = torch.arange(start * block_size, (start + n) * block_size, device=q.device)[None, :]
-        visible = k_pos <= q_pos  # (B, n * bs): also keeps out unwritten slots and padding blocks
-        if window is not None:
-            visible &= k_pos > q_pos - window
-        v = v.masked_fill(~visible[:, None, :, None], 0.0)  # stale bytes must not reach p @ v as NaN
-        scores = (qg @ k.transpose(-1, -2)).masked_fill(~visible[:, None, None, :], float("-inf"))
-        running_max, running_sum, acc = _online_softmax_step(scores, v, running_max, running_sum, acc)
-    return (acc / running_sum).reshape(batch, heads, dim).to(q.dtype)

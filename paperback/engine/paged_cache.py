@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
-from paperback.engine.paged_attention import paged_attention, paged_decode_attention
+from paperback.engine.paged_attention import paged_attention
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import NATIVE
@@ -160,6 +160,12 @@ class PagedKVPool:
               k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (Hkv, T, D) of the tokens at `positions`."""
         layer = self.layers[layer_idx]
+        if layer.native and len(positions) == 1:  # a decode token: one slot, written through a plain view
+            pos = int(positions[0])
+            block, slot = int(table[pos // self.block_size]), pos % self.block_size
+            layer.keys[block, :, slot] = k[:, 0]
+            layer.values[block, :, slot] = v[:, 0]
+            return
         blocks, slots = positions // self.block_size, positions % self.block_size
         if layer.native:
             layer.keys[table[blocks], :, slots] = k.transpose(0, 1).to(layer.keys.dtype)
@@ -173,8 +179,13 @@ class PagedKVPool:
     def reader(self, layer_idx: int, seq_id: int, table: torch.Tensor, dtype: torch.dtype):
         """Logical block indices -> (keys, values) (n, Hkv, bs, D): encoded blocks decoded, staged ones as is."""
         layer = self.layers[layer_idx]
+        # index_select: a third of advanced indexing's time for these gathers.
         if layer.native:
-            return lambda idx: (layer.keys[table[idx]], layer.values[table[idx]])
+            def read_native(idx: torch.Tensor):
+                ids = table.index_select(0, idx)
+                return layer.keys.index_select(0, ids), layer.values.index_select(0, ids)
+
+            return read_native
         state = self.seqs[seq_id]
         flushed = state.flushed[layer_idx]
 
@@ -182,14 +193,18 @@ class PagedKVPool:
             parts_k, parts_v = [], []
             encoded = idx[idx < flushed]
             if len(encoded):
-                ids = table[encoded]
-                parts_k.append(layer.key_codec.decode({n: t[ids] for n, t in layer.key_fields.items()}, dtype))
-                parts_v.append(layer.value_codec.decode({n: t[ids] for n, t in layer.value_fields.items()}, dtype))
+                ids = table.index_select(0, encoded)
+                parts_k.append(layer.key_codec.decode(
+                    {n: t.index_select(0, ids) for n, t in layer.key_fields.items()}, dtype))
+                parts_v.append(layer.value_codec.decode(
+                    {n: t.index_select(0, ids) for n, t in layer.value_fields.items()}, dtype))
             staged = idx[idx >= flushed]
             if len(staged):
                 slots = torch.tensor([state.stage[b] for b in staged.tolist()], dtype=torch.long)
-                parts_k.append(layer.stage_keys[slots].to(dtype))
-                parts_v.append(layer.stage_values[slots].to(dtype))
+                parts_k.append(layer.stage_keys.index_select(0, slots).to(dtype))
+                parts_v.append(layer.stage_values.index_select(0, slots).to(dtype))
+            if len(parts_k) == 1:
+                return parts_k[0], parts_v[0]
             return torch.cat(parts_k), torch.cat(parts_v)
 
         return read
@@ -247,44 +262,13 @@ class StepBatch:
         for s in seqs:
             pool.prepare(s.seq_id, s.seq_len - s.num_new, s.seq_len)
         self.positions = torch.cat([torch.arange(s.seq_len - s.num_new, s.seq_len) for s in seqs])
-        # Sequences adding one token (decoding) are attended together in native layers.
-        offsets = torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0)[:-1]
-        decoding = [i for i, s in enumerate(seqs) if s.num_new == 1]
-        self.batched = set(decoding) if len(decoding) > 1 else set()
-        if self.batched:
-            bs = pool.block_size
-            width = max(-(-seqs[i].seq_len // bs) for i in decoding)
-            self.decode_rows = offsets[decoding]
-            self.decode_lengths = torch.tensor([seqs[i].seq_len for i in decoding])
-            self.decode_tables = torch.zeros((len(decoding), width), dtype=torch.long)
-            for row, i in enumerate(decoding):
-                table = seqs[i].block_table[:width]
-                self.decode_tables[row, :len(table)] = table
-            last = (self.decode_lengths - 1) // bs
-            self.decode_blocks = self.decode_tables[torch.arange(len(decoding)), last]
-            self.decode_slots = (self.decode_lengths - 1) % bs
-
-    def _attend_decoding_together(self, layer, q, k, v, scaling: float, window: int | None,
-                                  out: torch.Tensor) -> None:
-        rows = self.decode_rows
-        layer.keys[self.decode_blocks, :, self.decode_slots] = k[0, :, rows].transpose(0, 1).to(layer.keys.dtype)
-        layer.values[self.decode_blocks, :, self.decode_slots] = v[0, :, rows].transpose(0, 1).to(layer.values.dtype)
-        out[0, :, rows] = paged_decode_attention(q[0, :, rows].transpose(0, 1), layer.keys, layer.values,
-                                                 self.decode_tables, self.decode_lengths, scaling,
-                                                 window).transpose(0, 1)
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D)."""
         out = torch.empty_like(q)
         start = 0
         bs = self.pool.block_size
-        together = self.batched if self.pool.layers[layer_idx].native else set()
-        if together:
-            self._attend_decoding_together(self.pool.layers[layer_idx], q, k, v, scaling, window, out)
-        for i, s in enumerate(self.seqs):
-            if i in together:
-                start += 1
-                continue
+        for s in self.seqs:
             part = slice(start, start + s.num_new)
             self.pool.observe(layer_idx, q[:, :, part], k[:, :, part])
             self.pool.write(layer_idx, s.seq_id, s.block_table, self.positions[part], k[0, :, part], v[0, :, part])

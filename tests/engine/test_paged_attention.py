@@ -81,31 +81,6 @@ def test_quantized_blocks_decode_inside_the_reader(spec):
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 20])
-def test_batched_decode_equals_one_call_per_sequence(window):
-    from paperback.engine.paged_attention import paged_decode_attention
-
-    torch.manual_seed(0)
-    heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 40
-    keys, values = torch.randn(num_blocks, kv_heads, bs, dim), torch.randn(num_blocks, kv_heads, bs, dim)
-    lengths = torch.tensor([1, 7, 33, 16])
-    order = torch.randperm(num_blocks)
-    tables, start = [], 0
-    for n in lengths.tolist():  # disjoint random blocks per sequence
-        need = -(-n // bs)
-        tables.append(order[start:start + need])
-        start += need
-    padded = torch.full((len(tables), max(map(len, tables))), 3)  # padding names a real block: must be masked
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = t
-    q = torch.randn(len(tables), heads, dim)
-    together = paged_decode_attention(q, keys, values, padded, lengths, 0.25, window, blocks_per_step=3)
-    for i, (t, n) in enumerate(zip(tables, lengths.tolist())):
-        alone = paged_attention(q[i][:, None], lambda ids: (keys[ids], values[ids]), t, n, bs, 0.25, window,
-                                blocks_per_step=3)
-        assert torch.allclose(together[i], alone[:, 0], atol=1e-5)
-
-
 def test_plain_fallback_equals_the_fused_kernel():
     """Devices without the fused CPU kernel take plain tensor code: same outputs and log-sum-exps."""
     from paperback.engine.paged_attention import _attention_with_lse
