@@ -1,9 +1,10 @@
-"""Builds the packed-weight CPU kernel; everything else is in pyproject.toml.
+"""Builds the packed-weight and paged-attention CPU kernels; everything else is in pyproject.toml.
 
-The extension is plain C against the CPython API (no torch headers), so it
-builds in pip's isolated environment. It is optional: without a compiler the
-install still succeeds and QuantLinear falls back to its PyTorch reference
-path (paperback says so once at run time).
+The extensions are plain C against the CPython API (no torch headers), so
+they build in pip's isolated environment. Both are optional: without a
+compiler the install still succeeds, QuantLinear falls back to its PyTorch
+reference path (paperback says so once at run time) and decode tokens read
+the paged KV pool through PyTorch one sequence at a time.
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,13 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"],
             extra_link_args=["-fopenmp"],
             optional=True,
-        )
+        ),
+        Extension(
+            "paperback.engine._paged_kernel",
+            sources=["paperback/engine/_paged_kernel.c"],
+            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        ),
     ]
 )

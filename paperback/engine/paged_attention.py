@@ -127,3 +127,38 @@ def _merge_partial(out, lse, step_out, step_lse):
     new_lse = torch.logaddexp(lse, step_lse)
     safe = new_lse.masked_fill(torch.isinf(new_lse), 0.0)  # rows with nothing seen yet stay 0
     return (out * torch.exp(lse - safe)[..., None] + step_out * torch.exp(step_lse - safe)[..., None]), new_lse
+
+
+try:  # built by setup.py when a C compiler is present; without it decode tokens take paged_attention one by one
+    from paperback.engine import _paged_kernel
+except ImportError:
+    _paged_kernel = None
+
+_KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def decode_kernel_available(keys: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` can read this pool storage (a CPU tensor of a dtype the kernel knows)."""
+    return (_paged_kernel is not None and keys.device.type == "cpu" and keys.dtype in _KERNEL_DTYPES
+            and keys.is_contiguous())
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    """One new query per sequence, a batch of sequences at once, read in place from native pool storage.
+
+    q (B, H, D) at positions lengths - 1; keys, values (num_blocks, Hkv, bs, D)
+    the pool's storage; tables (B, width) each sequence's block ids in order
+    (entries past a sequence's length are never read). Returns (B, H, D).
+    The C kernel walks each sequence's blocks where they lie, with no gather
+    and no Python work per sequence; check `decode_kernel_available` first.
+    """
+    batch, heads, dim = q.shape
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
+    tables = tables.to(torch.int64).contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    _paged_kernel.decode(q32.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                         _KERNEL_DTYPES[keys.dtype], tables.data_ptr(), lengths.data_ptr(), batch, heads,
+                         keys.shape[1], dim, keys.shape[2], tables.shape[1], float(scaling), window or 0)
+    return out.to(q.dtype)

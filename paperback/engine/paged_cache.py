@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
-from paperback.engine.paged_attention import paged_attention
+from paperback.engine.paged_attention import decode_kernel_available, paged_attention, paged_decode_attention
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import NATIVE
@@ -262,19 +262,50 @@ class StepBatch:
         for s in seqs:
             pool.prepare(s.seq_id, s.seq_len - s.num_new, s.seq_len)
         self.positions = torch.cat([torch.arange(s.seq_len - s.num_new, s.seq_len) for s in seqs])
+        # Each sequence's logical block indices, the same in every layer.
+        self.logical = [torch.arange(-(-s.seq_len // pool.block_size)) for s in seqs]
+        # Sequences adding one token (decoding) attend together in native layers, through the C kernel.
+        self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1]
+        if self.decoding:
+            bs = pool.block_size
+            offsets = torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0)[:-1]
+            self.decode_rows = offsets[self.decoding]
+            self.decode_lengths = torch.tensor([seqs[i].seq_len for i in self.decoding])
+            width = max(len(seqs[i].block_table) for i in self.decoding)
+            self.decode_tables = torch.zeros((len(self.decoding), width), dtype=torch.long)
+            for row, i in enumerate(self.decoding):
+                self.decode_tables[row, :len(seqs[i].block_table)] = seqs[i].block_table
+            last = (self.decode_lengths - 1) // bs
+            self.decode_blocks = self.decode_tables[torch.arange(len(self.decoding)), last]
+            self.decode_slots = (self.decode_lengths - 1) % bs
+
+    def _attend_decoding_together(self, layer, q, k, v, scaling: float, window: int | None,
+                                  out: torch.Tensor) -> None:
+        rows = self.decode_rows
+        layer.keys[self.decode_blocks, :, self.decode_slots] = k[0, :, rows].transpose(0, 1).to(layer.keys.dtype)
+        layer.values[self.decode_blocks, :, self.decode_slots] = v[0, :, rows].transpose(0, 1).to(layer.values.dtype)
+        out[0, :, rows] = paged_decode_attention(q[0, :, rows].transpose(0, 1), layer.keys, layer.values,
+                                                 self.decode_tables, self.decode_lengths, scaling,
+                                                 window).transpose(0, 1)
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D)."""
         out = torch.empty_like(q)
         start = 0
         bs = self.pool.block_size
-        for s in self.seqs:
+        layer = self.pool.layers[layer_idx]
+        together = self.decoding if layer.native and decode_kernel_available(layer.keys) else []
+        if together:
+            self._attend_decoding_together(layer, q, k, v, scaling, window, out)
+        skip = set(together)
+        for i, (s, logical) in enumerate(zip(self.seqs, self.logical)):
             part = slice(start, start + s.num_new)
+            start += s.num_new
+            if i in skip:
+                continue
             self.pool.observe(layer_idx, q[:, :, part], k[:, :, part])
             self.pool.write(layer_idx, s.seq_id, s.block_table, self.positions[part], k[0, :, part], v[0, :, part])
             self.pool.flush(layer_idx, s.seq_id, s.block_table, s.seq_len)
-            logical = torch.arange(-(-s.seq_len // bs))
             read = self.pool.reader(layer_idx, s.seq_id, s.block_table, q.dtype)
             out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window)
-            start += s.num_new
         return out

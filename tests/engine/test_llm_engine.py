@@ -56,6 +56,17 @@ def test_greedy_outputs_match_the_reference(tiny, batch, num_blocks, prefix, cac
         assert engine.blocks.prefix_hit_rate > 0.3
 
 
+def test_decode_without_the_c_kernel_matches_the_reference(tiny, monkeypatch):
+    """Where the kernel was not built, decode tokens read the pool through PyTorch: the same outputs."""
+    monkeypatch.setattr("paperback.engine.paged_cache.decode_kernel_available", lambda keys: False)
+    engine = LLMEngine(tiny, num_blocks=128, scheduler=SchedulerConfig(max_num_seqs=16))
+    ps = prompts(8, seed=3)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in ps]
+    outputs = {o.request_id: o for o in engine.run()}
+    for request_id, p in zip(ids, ps):
+        assert outputs[request_id].outputs[0].token_ids == reference(tiny.model, p, 12)
+
+
 def test_preemption_by_recomputation_keeps_outputs_identical(tiny):
     """Three sequences admitted into 6 blocks, each growing to 5: the newest are preempted and resumed."""
     engine = LLMEngine(tiny, num_blocks=6, scheduler=SchedulerConfig(max_num_seqs=8, max_step_tokens=512))

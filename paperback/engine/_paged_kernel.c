@@ -1,0 +1,183 @@
+/* Decode attention read in place from a paged KV pool, for a batch of sequences.
+ *
+ * One new query per sequence attends over the keys and values its block
+ * table lists, in the pool's own storage: no gathered copy of any block, no
+ * Python work per sequence. This is what vLLM's paged attention kernel does
+ * on a GPU; on CPU it removes the per-sequence gather, transpose and kernel
+ * launch that otherwise cost as much as the attention arithmetic.
+ *
+ * Layout (see paged_cache.py):
+ *   q       fp32 (B, H, D) contiguous, pre-scaled by nothing (scaling applied here)
+ *   out     fp32 (B, H, D)
+ *   keys, values  (num_blocks, Hkv, block_size, D) in fp32, fp16 or bf16
+ *   tables  int64 (B, width): block ids of each sequence, logical order
+ *   lengths int64 (B): tokens in each sequence, the new one included
+ * Query head h reads KV head h / (H / Hkv). With window > 0 a query at
+ * position p sees keys in (p - window, p].
+ *
+ * Each (sequence, KV head) pair is one task (OpenMP threads take them): it
+ * walks the blocks once, keeps a running maximum, sum and output for each
+ * query head of the group (the online softmax), and loads each key and
+ * value row once for all of them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
+
+/* The widest vectors the CPU has, chosen at load time (gcc's function multiversioning). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDEST __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define WIDEST
+#endif
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | ((exp + 112) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Rows [row, row + count) of a pool as fp32: the pool itself for fp32, else converted into buf. */
+static const float *load_rows(const void *pool, int dtype, int64_t row, int64_t count, int64_t dim, float *buf) {
+    if (dtype == DT_FP32) return (const float *)pool + row * dim;
+    const uint16_t *src = (const uint16_t *)pool + row * dim;
+    int64_t n = count * dim;
+    if (dtype == DT_BF16) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(&buf[i], &bits, sizeof(float));
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) buf[i] = half_to_float(src[i]);
+    }
+    return buf;
+}
+
+/* Scratch floats attend_one needs. */
+static int64_t scratch_size(int64_t group, int64_t dim, int64_t block_size) {
+    return group * dim + 2 * group + block_size + 2 * block_size * dim;
+}
+
+WIDEST static void attend_one(const float *q, float *out, const void *keys, const void *values, int dtype,
+                              const int64_t *table, int64_t length, int64_t kv_head, int64_t kv_heads,
+                              int64_t group, int64_t dim, int64_t block_size, float scaling, int64_t window,
+                              float *scratch) {
+    float *acc = scratch, *run_max = acc + group * dim, *run_sum = run_max + group, *score = run_sum + group,
+          *kbuf = score + block_size, *vbuf = kbuf + block_size * dim;
+    for (int64_t g = 0; g < group; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * group * dim);
+    int64_t lo = window > 0 && length > window ? length - window : 0;
+    /* One block's visible slots at a time: their scores, one rescale, then their values. */
+    for (int64_t first = lo; first < length;) {
+        int64_t slot = first % block_size, count = block_size - slot;
+        if (first + count > length) count = length - first;
+        int64_t row = (table[first / block_size] * kv_heads + kv_head) * block_size + slot;
+        const float *k = load_rows(keys, dtype, row, count, dim, kbuf);
+        const float *v = load_rows(values, dtype, row, count, dim, vbuf);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            float block_max = run_max[g];
+            for (int64_t j = 0; j < count; j++) {
+                const float *kj = k + j * dim;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < dim; d++) s += qg[d] * kj[d];
+                score[j] = s * scaling;
+                if (score[j] > block_max) block_max = score[j];
+            }
+            float c = expf(run_max[g] - block_max), sum = run_sum[g] * c;
+            float *a = acc + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) a[d] *= c;
+            for (int64_t j = 0; j < count; j++) {
+                float p = expf(score[j] - block_max);
+                const float *vj = v + j * dim;
+                sum += p;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++) a[d] += p * vj[d];
+            }
+            run_max[g] = block_max;
+            run_sum[g] = sum;
+        }
+        first += count;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g * dim + d] * inv;
+    }
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long q_ptr, out_ptr, keys_ptr, values_ptr, tables_ptr, lengths_ptr;
+    long long batch, heads, kv_heads, dim, block_size, width, window;
+    int dtype;
+    float scaling;
+    if (!PyArg_ParseTuple(args, "KKKKiKKLLLLLLfL", &q_ptr, &out_ptr, &keys_ptr, &values_ptr, &dtype, &tables_ptr,
+                          &lengths_ptr, &batch, &heads, &kv_heads, &dim, &block_size, &width, &scaling, &window))
+        return NULL;
+    if (dtype < DT_FP32 || dtype > DT_BF16 || kv_heads <= 0 || heads % kv_heads || dim <= 0 || block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "paged decode: bad dtype or shape");
+        return NULL;
+    }
+    const float *q = (const float *)(uintptr_t)q_ptr;
+    float *out = (float *)(uintptr_t)out_ptr;
+    const void *keys = (const void *)(uintptr_t)keys_ptr, *values = (const void *)(uintptr_t)values_ptr;
+    const int64_t *tables = (const int64_t *)(uintptr_t)tables_ptr, *lengths = (const int64_t *)(uintptr_t)lengths_ptr;
+    int64_t group = heads / kv_heads, tasks = batch * kv_heads;
+    int64_t scratch_floats = scratch_size(group, dim, block_size);
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t t = 0; t < tasks; t++) {
+                int64_t b = t / kv_heads, h = t % kv_heads;
+                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, keys, values,
+                           dtype, tables + b * width, lengths[b], h, kv_heads, group, dim, block_size, scaling,
+                           window, scratch);
+            }
+            free(scratch);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", py_decode, METH_VARARGS,
+     "decode(q, out, keys, values, dtype, tables, lengths, B, H, Hkv, D, block_size, width, scaling, window)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_kernel", "Paged decode attention on CPU.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__paged_kernel(void) { return PyModule_Create(&module); }
