@@ -1,6 +1,6 @@
 """KV cache formats: quality read back from the cache, by position, needle retrieval, and the breakdown point.
 
-    .venv/bin/python benchmarks/bench_kv_quality.py --part quality|positions|needle|sweep|plot
+    .venv/bin/python benchmarks/bench_kv_quality.py --part quality|positions|needle|sweep|fp8-error|plot
         [--model smollm2] [--formats fp16 kivi2 ...] [--windows 4] [--context 4096]
 
 Every part feeds text through paperback's quantized KV cache `--chunk` tokens
@@ -13,6 +13,8 @@ reference is the same fp32 model with exact attention.
   positions  mean KL and NLL by position over one 8,192-token window, in 512-token buckets
   needle     a 6-digit code planted at depths 0.1/0.5/0.9 of 2k, 4k and 8k tokens of WikiText-2
   sweep      bits against KL and perplexity within each format family; knee and recommendation
+  fp8-error  FP8 rounding error of keys and values by scale (1, calibrated per layer or head), the
+             share of subnormal and saturated elements, and the floor set by the mantissa alone
   plot       PNGs of the sweep and of the position curves from the JSON
 
 Results go to benchmarks/results/kv_<model>.json after every cell; a rerun
@@ -35,6 +37,8 @@ from paperback.evaluation import evaluate, load_text
 from paperback.evaluation.breakdown import breakdown
 from paperback.evaluation.needle import run_needles
 from paperback.kv import QuantizedKVCache, build_policy, calibrate_kv_amax
+from paperback.kv.calibrate import fp8_scale
+from paperback.kv.codecs import FP8_DTYPES, FP8Codec
 from paperback.loading import load_model
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 
@@ -53,6 +57,7 @@ SWEEP = {
 NEEDLE_LENGTHS = [2048, 4096, 8000]
 NEEDLE_DEPTHS = [0.1, 0.5, 0.9]
 POSITION_CONTEXT, BUCKET = 8192, 512
+FP8_ERROR_TOKENS = 2048
 
 
 class Bench:
@@ -75,12 +80,7 @@ class Bench:
     def factory(self, spec: str):
         fmt, _, skip = spec.partition("|skip=")
         policy = build_policy(self.model.config, fmt, skip or None)
-        amax = None
-        if policy.needs_fp8_calibration(self.model.config.num_layers):
-            if self._amax is None:  # pydoc, never the evaluation text
-                calib = calibration_batch(self.lm.tokenizer, CalibrationConfig("pydoc", 16, 512))
-                self._amax = calibrate_kv_amax(self.model, calib, progress=False)
-            amax = self._amax
+        amax = self.kv_amax() if policy.needs_fp8_calibration(self.model.config.num_layers) else None
         return policy, QuantizedKVCache.factory(self.model, policy, amax)
 
     def eval_cell(self, spec: str, context: int, windows: int, per_position: bool = False) -> dict:
@@ -135,6 +135,74 @@ class Bench:
                                         for n in NEEDLE_LENGTHS}}
             self.save()
             print(f"needle {spec}: {cells[spec]['accuracy']}", flush=True)
+
+    def kv_amax(self) -> dict:
+        if self._amax is None:  # pydoc, never the evaluation text
+            calib = calibration_batch(self.lm.tokenizer, CalibrationConfig("pydoc", 16, 512))
+            self._amax = calibrate_kv_amax(self.model, calib, progress=False)
+        return self._amax
+
+    @torch.inference_mode()
+    def run_fp8_error(self):
+        """Rounding error of FP8 keys and values under each scale, beside the floor the mantissa alone sets.
+
+        Relative RMS error over every layer's keys (and values) of the first
+        FP8_ERROR_TOKENS tokens of WikiText-2, the share of elements that land
+        in the subnormal range or saturate, and the error of rounding to the
+        format's significant bits at any exponent (no range limit at all): no
+        choice of scale can go below that floor.
+        """
+        amax = self.kv_amax()
+        ids = torch.tensor([self.tokens[:FP8_ERROR_TOKENS]])
+        scales = {"scale=1": lambda i, which, variant: 1.0,
+                  "calibrated per layer": lambda i, which, variant: fp8_scale(amax[i][which], variant, False),
+                  "calibrated per head": lambda i, which, variant: fp8_scale(amax[i][which], variant, True)}
+        rows = {}
+        for variant in ("e4m3", "e5m2"):
+            dtype = FP8_DTYPES[variant]
+            significant = torch.finfo(dtype).nmant + 1
+            tally = {(name, which): [0.0, 0.0, 0, 0, 0] for name in [*scales, "mantissa floor"] for which in (0, 1)}
+
+            def record(layer_idx, k, v, start_pos):
+                for which, x in ((0, k.float()), (1, v.float())):
+                    power = float((x ** 2).sum())
+                    for name, scale_of in scales.items():
+                        codec = FP8Codec(variant, scale_of(layer_idx, which, variant))
+                        scaled = (x / codec.scale).abs()
+                        t = tally[name, which]
+                        t[0] += float(((codec.decode(codec.encode(x), torch.float32) - x) ** 2).sum())
+                        t[1] += power
+                        t[2] += int((scaled < torch.finfo(dtype).smallest_normal).sum())
+                        t[3] += int((scaled > torch.finfo(dtype).max).sum())
+                        t[4] += x.numel()
+                    mantissa, exponent = torch.frexp(x)
+                    floor = torch.ldexp(torch.round(mantissa * 2 ** significant) / 2 ** significant, exponent)
+                    t = tally["mantissa floor", which]
+                    t[0] += float(((floor - x) ** 2).sum())
+                    t[1] += power
+                    t[4] += x.numel()
+                return k, v
+
+            recorder = type("Recorder", (), {"update": staticmethod(record)})()
+            self.model.hidden_states(ids, 0, recorder)
+            for (name, which), (err, power, subnormal, saturated, count) in tally.items():
+                row = rows.setdefault(f"fp8-{variant} {name}", {"variant": variant, "scale": name})
+                part = "keys" if which == 0 else "values"
+                row[f"{part}_relative_rms_error"] = math.sqrt(err / power)
+                row[f"{part}_subnormal"] = subnormal / count
+                row[f"{part}_saturated"] = saturated / count
+        self.report["fp8_error"] = {"tokens": FP8_ERROR_TOKENS, "rows": rows}
+        self.save()
+        table = []
+        for label, r in rows.items():
+            cells = [label]
+            for part in ("keys", "values"):
+                cells += [f"{r[f'{part}_relative_rms_error']:.4f}", f"{100 * r[f'{part}_subnormal']:.2f}%",
+                          f"{100 * r[f'{part}_saturated']:.2f}%"]
+            table.append(cells)
+        print_table(f"{self.args.model}: FP8 rounding error of keys and values, {FP8_ERROR_TOKENS} tokens",
+                    ["format, scale", "keys: rel. RMS error", "subnormal", "saturated",
+                     "values: rel. RMS error", "subnormal", "saturated"], table)
 
     def run_sweep(self):
         cells = self.cells("sweep")
@@ -230,7 +298,7 @@ def plot(report: dict, model: str) -> list[Path]:
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", nargs="+", default=["quality"],
-                        choices=["quality", "positions", "needle", "sweep", "plot"])
+                        choices=["quality", "positions", "needle", "sweep", "fp8-error", "plot"])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--context", type=int, default=4096)
@@ -251,7 +319,7 @@ def run() -> int:
     bench = Bench(args)
     for part in args.part:
         if part != "plot":
-            getattr(bench, f"run_{part}")()
+            getattr(bench, f"run_{part.replace('-', '_')}")()
     for path in plot(bench.report, args.model):
         print(f"wrote {path}")
     print_summary(bench.report)

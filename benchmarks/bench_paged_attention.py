@@ -13,8 +13,11 @@ over the whole cache already laid out in one tensor (the layout paged
 attention exists to avoid reserving). Each configuration runs in its own
 process (bf16 cache, 16-bit queries) and reports the median time of
 --repeats calls and how far the process's peak RSS rose during them above
-its RSS before (the temporaries the C allocator had to find). Writes
-benchmarks/results/paged_attention.json.
+its RSS before (the temporaries the C allocator had to find). Then one
+decode step of 32 sequences of 128-1,023 tokens: the engine's C kernel
+reading each sequence's blocks in place, the PyTorch fallback (one
+`paged_attention` call per sequence), and dense SDPA over the batch padded
+to its longest sequence. Writes benchmarks/results/paged_attention.json.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from results_io import run_worker, write_results
 
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head dim
 CASES = [(512, 512), (512, 4096), (1, 4096)]  # (new tokens, context)
+DECODE_BATCH, DECODE_LENGTHS = 32, (128, 1024)  # a decode step: sequences, their lengths drawn from [lo, hi)
+DECODE_IMPLS = ("kernel", "per sequence", "dense")
 BLOCK = 16
 
 
@@ -80,14 +85,70 @@ def worker(impl: str, shape: str, new: int, context: int, repeats: int) -> dict:
             "median_ms": statistics.median(times) * 1e3, "transient_mib": transient}
 
 
+def decode_worker(impl: str, shape: str, repeats: int) -> dict:
+    """One decode token for each of DECODE_BATCH sequences of DECODE_LENGTHS tokens, as an engine step runs it."""
+    import torch
+    import torch.nn.functional as F
+
+    from paperback.engine.paged_attention import paged_attention, paged_decode_attention
+
+    heads, kv_heads, dim = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(*DECODE_LENGTHS, (DECODE_BATCH,), generator=gen)
+    need = [-(-int(n) // BLOCK) for n in lengths]
+    pool_k = torch.randn(2 * sum(need), kv_heads, BLOCK, dim, dtype=torch.bfloat16, generator=gen)
+    pool_v = torch.randn(pool_k.shape, dtype=torch.bfloat16, generator=gen)
+    order = torch.randperm(len(pool_k), generator=gen)
+    tables = torch.zeros(DECODE_BATCH, max(need), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = order[start:start + n]
+        start += n
+    q = torch.randn(DECODE_BATCH, heads, dim, dtype=torch.bfloat16, generator=gen)
+    scaling = dim ** -0.5
+    if impl == "kernel":
+        def call():
+            return paged_decode_attention(q, pool_k, pool_v, tables, lengths, scaling)
+    elif impl == "per sequence":
+        def call():
+            for i, n in enumerate(lengths.tolist()):
+                t = tables[i, :need[i]]
+                paged_attention(q[i][:, None], lambda ids: (pool_k.index_select(0, t[ids]), pool_v.index_select(0, t[ids])),
+                                torch.arange(need[i]), n, BLOCK, scaling)
+    else:  # a contiguous cache: every sequence padded to the longest, masked
+        width = int(lengths.max())
+        k = torch.stack([pool_k[tables[i]].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :width]
+                         for i in range(DECODE_BATCH)])
+        v = torch.stack([pool_v[tables[i]].permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)[:, :width]
+                         for i in range(DECODE_BATCH)])
+        mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
+
+        def call():
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+    with torch.inference_mode():
+        call()
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - begin)
+    return {"impl": impl, "shape": shape, "sequences": DECODE_BATCH, "mean_length": float(lengths.float().mean()),
+            "threads": torch.get_num_threads(), "median_ms": statistics.median(times) * 1e3}
+
+
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         impl, shape, new, context = args.worker
         print(json.dumps(worker(impl, shape, int(new), int(context), args.repeats)))
+        return 0
+    if args.decode_worker:
+        print(json.dumps(decode_worker(*args.decode_worker, args.repeats)))
         return 0
 
     from paperback.cli.output import print_table
@@ -106,7 +167,19 @@ def run() -> int:
     print_table("one layer's attention, bf16 cache: paged (blocks of 16, 32 per step) vs dense SDPA",
                 ["model shape", "new tokens", "context", "paged ms", "dense ms", "paged speed vs dense",
                  "paged transient MiB", "dense transient MiB"], table)
-    write_results("paged_attention.json", {"rows": rows})
+    decode = [run_worker([__file__, "--repeats", str(args.repeats), "--decode-worker", impl, shape],
+                         f"decode {impl} {shape}") for shape in SHAPES for impl in DECODE_IMPLS]
+    table = []
+    for i in range(0, len(decode), len(DECODE_IMPLS)):
+        kernel, loop, dense = decode[i:i + len(DECODE_IMPLS)]
+        table.append([kernel["shape"], f"{kernel['sequences']} x {kernel['mean_length']:.0f}",
+                      f"{kernel['median_ms']:.2f}", f"{loop['median_ms']:.2f}", f"{dense['median_ms']:.2f}",
+                      f"{loop['median_ms'] / kernel['median_ms']:.2f}x", f"{dense['median_ms'] / kernel['median_ms']:.2f}x"])
+    print_table("one layer's decode step, bf16 cache: the C kernel reading blocks in place, PyTorch per sequence, "
+                "and dense SDPA over a padded contiguous batch",
+                ["model shape", "sequences x mean tokens", "kernel ms", "per sequence ms", "dense ms",
+                 "kernel vs per sequence", "kernel vs dense"], table)
+    write_results("paged_attention.json", {"rows": rows, "decode": decode})
     return 0
 
 

@@ -130,3 +130,20 @@ def test_decode_kernel_equals_one_call_per_sequence(dtype, window):
         alone = paged_attention(q[i][:, None], lambda ids: (keys[ids].float(), values[ids].float()), t, n, bs, 0.25,
                                 window, blocks_per_step=3)
         assert torch.allclose(together[i], alone[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_kernel_reads_16_bit_values_exactly(dtype):
+    """With one key the output is that value row: every 16-bit value (subnormals, extremes) converts exactly."""
+    from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
+
+    info = torch.finfo(dtype)
+    row = torch.tensor([info.tiny / 4, -info.tiny / 3, info.tiny, info.max, -info.max, 0.0, -0.0, 1.5,
+                        -2.75, 1e-3, 3.0, -7.0, 0.1, 65.0, -1e-2, 2.0], dtype=dtype)
+    values = row.reshape(1, 1, 1, 16).repeat(1, 1, 4, 1)
+    keys = torch.ones_like(values)
+    if not decode_kernel_available(keys):
+        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+    out = paged_decode_attention(torch.ones(1, 2, 16), keys, values, torch.zeros(1, 1, dtype=torch.long),
+                                 torch.tensor([1]), 0.25)
+    assert torch.equal(out[0, 0], row.float()) and torch.equal(out[0, 1], row.float())
