@@ -71,6 +71,31 @@ def summary(tool: str, work, seconds: float, ttfts: list[float], utilization: fl
             "ttft_p99_s": percentile(ttfts, 0.99), "kv_utilization": utilization, **extra}
 
 
+class LinearTimer:
+    """Seconds spent inside torch.nn.functional.linear (every nn.Linear and tied head of both tools) while active.
+
+    The linears are the same PyTorch GEMMs in both tools, so their time bounds what scheduling can win.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._real = torch.nn.functional.linear
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        torch.nn.functional.linear = timed
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.linear = self._real
+
+
 def paged_worker(args) -> dict:
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
@@ -86,18 +111,20 @@ def paged_worker(args) -> dict:
         engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     held = reserved = 0
     outputs, peak_running = [], 0
-    while engine.scheduler.has_work:
-        outputs += engine.step()
-        running = engine.scheduler.running
-        peak_running = max(peak_running, len(running))
-        held += sum(s.num_computed for s in running)
-        reserved += engine.blocks.num_used * engine.blocks.block_size
+    with LinearTimer() as linears:
+        while engine.scheduler.has_work:
+            outputs += engine.step()
+            running = engine.scheduler.running
+            peak_running = max(peak_running, len(running))
+            held += sum(s.num_computed for s in running)
+            reserved += engine.blocks.num_used * engine.blocks.block_size
     seconds = time.perf_counter() - start
     assert sorted(len(o.outputs[0].token_ids) for o in outputs) == sorted(n for _, n in work)
     return summary(TOOL_NAMES["paged"], work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
                    held / reserved, {"kv_pool_bytes": engine.pool.nbytes, "peak_running": peak_running,
                                      "preemptions": sum(o.timings["preemptions"] for o in outputs),
-                                     "positions_computed": engine.positions_computed})
+                                     "positions_computed": engine.positions_computed,
+                                     "linear_seconds": linears.seconds})
 
 
 def static_batches(work, budget_tokens: int) -> list[list[int]]:
@@ -132,7 +159,7 @@ def transformers_worker(args) -> dict:
 
     ttfts, held, reserved, positions = [], 0, 0, 0
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), LinearTimer() as linears:
         for batch in batches:
             prompts = [work[i][0] for i in batch]
             width, new = max(map(len, prompts)), max(work[i][1] for i in batch)
@@ -148,7 +175,8 @@ def transformers_worker(args) -> dict:
                 held += sum(len(work[i][0]) + min(step, work[i][1]) for i in batch)
     seconds = time.perf_counter() - start
     return summary(TOOL_NAMES["transformers"], work, seconds, ttfts, held / reserved,
-                   {"batches": len(batches), "largest_batch": max(map(len, batches)), "positions_computed": positions})
+                   {"batches": len(batches), "largest_batch": max(map(len, batches)), "positions_computed": positions,
+                    "linear_seconds": linears.seconds})
 
 
 def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reserve) -> float:
@@ -311,14 +339,15 @@ def print_tables(report: dict, model: str) -> None:
         print_table(f"{model}: {t['rows'][0]['requests']} requests, KV budget {report['kv_memory_mib']} MiB "
                     f"({t['budget_tokens']} fp32 token states)",
                     ["tool", "req/s", "output tok/s", "TTFT p50 s", "TTFT p99 s", "KV in use holding tokens",
-                     "positions run", "positions/s"],
+                     "positions run", "positions/s", "s in linears"],
                     [[r["tool"], f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                       f"{r['ttft_p50_s']:.1f}", f"{r['ttft_p99_s']:.1f}", f"{100 * r['kv_utilization']:.1f}%",
                       r.get("positions_computed", ""),
-                      f"{r['positions_computed'] / r['seconds']:.0f}" if "positions_computed" in r else ""]
+                      f"{r['positions_computed'] / r['seconds']:.0f}" if "positions_computed" in r else "",
+                      f"{r['linear_seconds']:.0f} of {r['seconds']:.0f}" if "linear_seconds" in r else ""]
                      for r in t["rows"]]
                     + [[f"contiguous, {k}", "", "", "", "", f"{100 * v:.1f}%" if v is not None else "does not fit",
-                        "", ""] for k, v in t["contiguous_utilization"].items()])
+                        "", "", ""] for k, v in t["contiguous_utilization"].items()])
         print(f"paged / transformers output tokens/s: {t['speedup']:.2f}x")
         if t.get("work_ratio"):
             print(f"positions transformers runs per position paperback runs: {t['work_ratio']:.2f}x "
