@@ -7,7 +7,7 @@
  * launch that otherwise cost as much as the attention arithmetic.
  *
  * Layout (see paged_cache.py):
- *   q       fp32 (B, H, D) contiguous, pre-scaled by nothing (scaling applied here)
+ *   q       fp32 (B, H, D) contiguous, unscaled (the kernel applies `scaling`)
  *   out     fp32 (B, H, D)
  *   keys, values  (num_blocks, Hkv, block_size, D) in fp32, fp16 or bf16
  *   tables  int64 (B, width): block ids of each sequence, logical order
