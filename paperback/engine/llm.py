@@ -112,7 +112,7 @@ class LLMEngine:
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=salt)
         self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks,
-                                kv_amax=kv_amax)
+                                self.model.device, kv_amax)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
                                    on_free=lambda seq: self.pool.release(seq.seq_id))
@@ -159,10 +159,12 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise PaperbackError("the KV pool cannot hold the next waiting request")
             return []
-        seqs = [StepSequence(s.seq_id, n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id)))
+        device = self.pool.device
+        seqs = [StepSequence(s.seq_id, n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id), device=device))
                 for s, n in plan.work]
         batch = StepBatch(self.pool, seqs)
-        ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]])
+        ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]],
+                           device=device)
         hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
         self.positions_computed += ids.shape[1]
         ends, samplers = [], []
@@ -177,7 +179,7 @@ class LLMEngine:
                 samplers.append(seq)
         finished: list[RequestOutput] = []
         if samplers:
-            logits = self.model.logits(hidden[ends]).float()
+            logits = self.model.logits(hidden[ends]).float().cpu()  # sampling runs on CPU, seeded per request
             for seq, row in zip(samplers, logits):
                 for target in self._fork_if_needed(seq):
                     self._append_token(target, row)

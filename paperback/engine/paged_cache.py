@@ -62,7 +62,7 @@ class _Layer:
     def _encode(codec, x):
         """Encode x; for PN-Mix, under a throwaway ranking (only the field shapes are wanted)."""
         if hasattr(codec, "selection") and codec.selection is None:
-            codec.select(torch.ones(1, x.shape[1], x.shape[2], x.shape[3]), x + 1)
+            codec.select(torch.ones(1, x.shape[1], x.shape[2], x.shape[3], device=x.device), x + 1)
             fields = codec.encode(x)
             codec.selection = None
             return fields
@@ -91,6 +91,7 @@ class PagedKVPool:
         """kv_amax: {layer: (key amax, value amax)} from paperback.kv.calibrate, for calibrated FP8 layers."""
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.device = torch.device(device)
         self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device,
                               (kv_amax or {}).get(i)) for i in range(config.num_layers)]
         quantized = [layer.scheme for layer in self.layers if not layer.native]
@@ -172,7 +173,7 @@ class PagedKVPool:
             layer.values[table[blocks], :, slots] = v.transpose(0, 1).to(layer.values.dtype)
             return
         stage = self.seqs[seq_id].stage
-        where = torch.tensor([stage[b] for b in blocks.tolist()], dtype=torch.long)
+        where = torch.tensor([stage[b] for b in blocks.tolist()], dtype=torch.long, device=self.device)
         layer.stage_keys[where, :, slots] = k.transpose(0, 1).to(layer.stage_keys.dtype)
         layer.stage_values[where, :, slots] = v.transpose(0, 1).to(layer.stage_values.dtype)
 
@@ -200,7 +201,7 @@ class PagedKVPool:
                     {n: t.index_select(0, ids) for n, t in layer.value_fields.items()}, dtype))
             staged = idx[idx >= flushed]
             if len(staged):
-                slots = torch.tensor([state.stage[b] for b in staged.tolist()], dtype=torch.long)
+                slots = torch.tensor([state.stage[b] for b in staged.tolist()], dtype=torch.long, device=self.device)
                 parts_k.append(layer.stage_keys.index_select(0, slots).to(dtype))
                 parts_v.append(layer.stage_values.index_select(0, slots).to(dtype))
             if len(parts_k) == 1:
@@ -261,11 +262,12 @@ class StepBatch:
         self.seqs = seqs
         for s in seqs:
             pool.prepare(s.seq_id, s.seq_len - s.num_new, s.seq_len)
-        self.positions = torch.cat([torch.arange(s.seq_len - s.num_new, s.seq_len) for s in seqs])
+        device = pool.device
+        self.positions = torch.cat([torch.arange(s.seq_len - s.num_new, s.seq_len, device=device) for s in seqs])
         # Each sequence's logical block indices, the same in every layer.
-        self.logical = [torch.arange(-(-s.seq_len // pool.block_size)) for s in seqs]
-        # Sequences adding one token (decoding) attend together in native layers, through the C kernel.
-        self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1]
+        self.logical = [torch.arange(-(-s.seq_len // pool.block_size), device=device) for s in seqs]
+        # Sequences adding one token (decoding) attend together in native layers, through the C (CPU) kernel.
+        self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1] if device.type == "cpu" else []
         if self.decoding:
             bs = pool.block_size
             offsets = torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0)[:-1]

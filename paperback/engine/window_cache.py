@@ -37,7 +37,7 @@ class PagedWindowCache:
         self.pool = PagedKVPool(config, policy, self.blocks.num_blocks, block_size, model.dtype, stage,
                                 model.device, kv_amax)
         self.pool.start(SEQ_ID, 0)
-        self.table = torch.tensor(self.blocks.table(SEQ_ID))
+        self.table = torch.tensor(self.blocks.table(SEQ_ID), device=model.device)
         self.chunk = chunk
         self.length = 0
         self.step: StepBatch | None = None

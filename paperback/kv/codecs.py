@@ -92,11 +92,12 @@ class FP8Codec(KVCodec):
             raise PaperbackError("FP8 scales must be positive and finite")
 
     def encode(self, x):
-        scaled = x.float() / self.scale
+        scaled = x.float() / self.scale.to(x.device)
         return {"codes": scaled.clamp(-self.max, self.max).to(self.dtype)}
 
     def decode(self, fields, dtype):
-        return (fields["codes"].float() * self.scale).to(dtype)
+        codes = fields["codes"]
+        return (codes.float() * self.scale.to(codes.device)).to(dtype)
 
     def bits_per_element(self, head_dim):
         return 8.0
@@ -264,9 +265,9 @@ class PairMixCodec(KVCodec):
         if self.selection is None:
             raise PaperbackError("PN-Mix needs its channel selection (made at prefill) before encoding")
         high = self.selection.channels
-        mask = torch.ones(high.shape[0], head_dim, dtype=torch.bool)
+        mask = torch.ones(high.shape[0], head_dim, dtype=torch.bool, device=high.device)
         mask.scatter_(1, high, False)
-        low = torch.arange(head_dim).expand(high.shape[0], -1)[mask].view(high.shape[0], -1)
+        low = torch.arange(head_dim, device=high.device).expand(high.shape[0], -1)[mask].view(high.shape[0], -1)
         return high, low
 
     @staticmethod

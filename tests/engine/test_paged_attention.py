@@ -147,3 +147,17 @@ def test_decode_kernel_reads_16_bit_values_exactly(dtype):
     out = paged_decode_attention(torch.ones(1, 2, 16), keys, values, torch.zeros(1, 1, dtype=torch.long),
                                  torch.tensor([1]), 0.25)
     assert torch.equal(out[0, 0], row.float()) and torch.equal(out[0, 1], row.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seq_len, num_new, window", [(37, 1, None), (64, 64, None), (100, 30, 16), (100, 1, 16)])
+def test_matches_dense_attention_on_cuda(seq_len, num_new, window):
+    """On a GPU the same block walk runs the plain-tensor attention with log-sum-exp merging."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, num_new, 16), torch.randn(2, seq_len, 16), torch.randn(2, seq_len, 16)
+    k_pool, v_pool, table = scatter_into_blocks(k, v, 8, 40)
+    k_pool, v_pool, table = k_pool.cuda(), v_pool.cuda(), table.cuda()
+    out = paged_attention(q.cuda(), lambda ids: (k_pool[ids], v_pool[ids]), table, seq_len, 8, 0.25, window,
+                          blocks_per_step=3)
+    ref = attend(q[None], k[None], v[None], seq_len - num_new, 0.25, window)[0]
+    assert out.device.type == "cuda" and torch.allclose(out.cpu(), ref, atol=1e-4)
