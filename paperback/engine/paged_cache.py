@@ -19,7 +19,9 @@ bytes and, per sequence, which staging slots hold its unencoded blocks.
 `StepBatch` packs the new tokens of several sequences into one row: linear
 layers run once over all of them, and attention writes each sequence's keys
 and values, then reads its blocks back through `paged_attention`, decoding
-quantized blocks a few at a time.
+quantized blocks a few at a time. In native layers on CPU, the sequences
+that add one token (decoding) are written and attended together by the C
+kernel (`paged_decode_attention`), which reads their blocks in place.
 """
 
 from __future__ import annotations
