@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_plan.py [--models smollm2 gemma3] [--kv fp16 int8 kivi2]
         [--contexts 1024 4096] [--users 1 4] [--markdown]
+    .venv/bin/python benchmarks/bench_plan.py --allowance [--models smollm2 gemma3]
 
 For each model, KV format, context and number of users, `paperback plan`'s
 arithmetic predicts the weight bytes and the KV bytes of `users`
@@ -19,6 +20,12 @@ the peak RSS is compared with, use the same arithmetic without the windows;
 the plan's own figure, which counts what a window-aware engine holds, is
 shown beside it. Writes
 benchmarks/results/plan_check.json.
+
+--allowance measures the allowance's two stated constants instead, one fresh
+process per model: the RSS a loaded tokenizer adds per vocabulary entry, and
+what a process that has loaded the model and served one short request holds
+besides weights, tokenizer and KV pool. Writes
+benchmarks/results/plan_allowance.json.
 """
 
 from __future__ import annotations
@@ -121,6 +128,66 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no VmRSS in /proc/self/status (Linux only)")
+
+
+def allowance_worker(model: str) -> dict:
+    """The allowance's two stated constants, measured in one fresh process.
+
+    Tokenizer: the RSS a loaded tokenizer adds (transformers and tokenizers
+    imported before, so their code counts as runtime), per vocabulary entry.
+    Runtime: the RSS of a process that has loaded the model and its
+    tokenizer and served one short request, less the weights, the tokenizer
+    and the KV pool.
+    """
+    import tokenizers  # noqa: F401  (the runtime's, not the tokenizer's)
+    import transformers  # noqa: F401
+
+    from paperback.engine.llm import LLMEngine
+    from paperback.generation.sampling import SamplingParams
+    from paperback.loading import load_model
+    from paperback.loading.tokenizer import tokenizer_from_gguf
+    from paperback.memory import module_bytes, release_freed_heap
+    from paperback.plan.planner import RUNTIME_BYTES, TOKENIZER_BYTES_PER_ENTRY
+
+    lm = load_model(model, "bf16", with_tokenizer=False)
+    if lm.source.kind != "gguf":
+        raise SystemExit(f"{model}: the allowance check reads a GGUF model's own tokenizer")
+    weights = module_bytes(lm.model)
+    release_freed_heap()
+    before = _rss_bytes()
+    lm.tokenizer = tokenizer_from_gguf(lm.source.path)
+    release_freed_heap()
+    tokenizer = _rss_bytes() - before
+    engine = LLMEngine(lm, kv="fp16", num_blocks=64)
+    engine.add_request(lm.tokenizer.encode("The capital of France is"), SamplingParams(max_tokens=8))
+    engine.run()
+    release_freed_heap()
+    runtime = _rss_bytes() - weights - tokenizer - engine.pool.nbytes
+    vocab = lm.model.config.vocab_size
+    return {"model": model, "vocab_size": vocab, "runtime_bytes": runtime, "tokenizer_bytes": tokenizer,
+            "tokenizer_bytes_per_entry": tokenizer / vocab, "stated_runtime_bytes": RUNTIME_BYTES,
+            "stated_tokenizer_bytes_per_entry": TOKENIZER_BYTES_PER_ENTRY}
+
+
+def run_allowance(models: list[str]) -> None:
+    from paperback.cli.output import print_table
+
+    rows = [run_worker([__file__, "--allowance-worker", model], f"allowance {model}") for model in models]
+    mib = 2 ** 20
+    print_table("the runtime allowance's constants: stated (paperback/plan/planner.py) vs measured",
+                ["model", "runtime stated MiB", "runtime measured MiB", "tokenizer stated B/entry",
+                 "tokenizer measured B/entry", "tokenizer measured MiB"],
+                [[r["model"], f"{r['stated_runtime_bytes'] / mib:.0f}", f"{r['runtime_bytes'] / mib:.0f}",
+                  r["stated_tokenizer_bytes_per_entry"], f"{r['tokenizer_bytes_per_entry']:.0f}",
+                  f"{r['tokenizer_bytes'] / mib:.0f}"] for r in rows])
+    write_results("plan_allowance.json", {"rows": rows})
+
+
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
@@ -128,8 +195,17 @@ def run() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
+    parser.add_argument("--allowance", action="store_true",
+                        help="measure the runtime allowance's stated constants (runtime, tokenizer) instead")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--allowance-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.allowance_worker:
+        print(json.dumps(allowance_worker(args.allowance_worker)))
+        return 0
+    if args.allowance:
+        run_allowance(args.models)
+        return 0
     if args.markdown:
         print(markdown(json.loads((RESULTS / "plan_check.json").read_text())["rows"]))
         return 0
