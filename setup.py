@@ -9,21 +9,12 @@ the paged KV pool through PyTorch one sequence at a time.
 
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension(
-            "paperback.quantization._qkernel",
-            sources=["paperback/quantization/_qkernel.c"],
-            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"],
-            extra_link_args=["-fopenmp"],
-            optional=True,
-        ),
-        Extension(
-            "paperback.engine._paged_kernel",
-            sources=["paperback/engine/_paged_kernel.c"],
-            extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"],
-            extra_link_args=["-fopenmp"],
-            optional=True,
-        ),
-    ]
-)
+
+def c_kernel(module: str) -> Extension:
+    """paperback.x.y from paperback/x/y.c: OpenMP, optional (a failed build leaves the PyTorch path)."""
+    return Extension(module, sources=[module.replace(".", "/") + ".c"],
+                     extra_compile_args=["-O3", "-std=c11", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"],
+                     extra_link_args=["-fopenmp"], optional=True)
+
+
+setup(ext_modules=[c_kernel("paperback.quantization._qkernel"), c_kernel("paperback.engine._paged_kernel")])

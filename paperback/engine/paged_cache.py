@@ -96,6 +96,8 @@ class PagedKVPool:
         self.device = torch.device(device)
         self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device,
                               (kv_amax or {}).get(i)) for i in range(config.num_layers)]
+        # Native layers whose storage the C decode kernel reads (CPU, a dtype it knows): decided once.
+        self.kernel_decodes = [layer.native and decode_kernel_available(layer.keys) for layer in self.layers]
         quantized = [layer.scheme for layer in self.layers if not layer.native]
         self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
         self.quantized = bool(quantized)
@@ -269,7 +271,7 @@ class StepBatch:
         # Each sequence's logical block indices, the same in every layer.
         self.logical = [torch.arange(-(-s.seq_len // pool.block_size), device=device) for s in seqs]
         # Sequences adding one token (decoding) attend together in native layers, through the C (CPU) kernel.
-        self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1] if device.type == "cpu" else []
+        self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1] if any(pool.kernel_decodes) else []
         if self.decoding:
             bs = pool.block_size
             offsets = torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0)[:-1]
@@ -297,10 +299,9 @@ class StepBatch:
         out = torch.empty_like(q)
         start = 0
         bs = self.pool.block_size
-        layer = self.pool.layers[layer_idx]
-        together = self.decoding if layer.native and decode_kernel_available(layer.keys) else []
+        together = self.decoding if self.pool.kernel_decodes[layer_idx] else []
         if together:
-            self._attend_decoding_together(layer, q, k, v, scaling, window, out)
+            self._attend_decoding_together(self.pool.layers[layer_idx], q, k, v, scaling, window, out)
         skip = set(together)
         for i, (s, logical) in enumerate(zip(self.seqs, self.logical)):
             part = slice(start, start + s.num_new)
