@@ -31,3 +31,21 @@ def run_worker(argv: list[str], what: str) -> dict:
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(row), flush=True)
     return row
+
+
+def warn_if_busy(own_threads: int = 0) -> float:
+    """Warn on stderr when other work shares the machine; returns the 1-minute load average.
+
+    Call it before the measurements (own_threads=0) and again before printing
+    the table (own_threads: the threads this benchmark keeps busy, which the
+    average then includes). Timings and even ratios drift on a shared host
+    (OpenMP peers collapse when oversubscribed), so a table measured under
+    load says so.
+    """
+    import os
+
+    load = os.getloadavg()[0]
+    if load > own_threads + 0.5:
+        print(f"warning: load average {load:.2f} on {os.cpu_count()} cores (this benchmark: {own_threads} "
+              "threads); other work is running and the timings are disturbed", file=sys.stderr)
+    return load

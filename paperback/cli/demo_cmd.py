@@ -1,40 +1,111 @@
-"""`paperback demo [MODEL]`: the main job end to end on one model.
+"""`paperback demo [MODEL]`: the main job end to end, the model made lighter beside the full one.
 
-A short generation, a WikiText-2 perplexity over the first windows, and the
-speed table beside transformers. Each step is the same code path as its own
-subcommand.
+`paperback fit` puts the model into a memory budget for a workload (a
+profile of where bits matter, an exact allocation, one checkpoint with its
+KV policy, a held-out evaluation and an HTML report); the demo then sets
+the fitted model beside the full one: bytes against the budget, WikiText-2
+perplexity and KL, decode speed, and a short generation. Each step is the
+same code path as its own subcommand. The bundled default model ships its
+profile, so no profiling runs for it.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from paperback.cli.common import add_model_arg
-from paperback.cli.output import console
+from paperback.cli.output import console, note, print_table
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="the main job: generate, evaluate and benchmark one model")
+    p = sub.add_parser("demo", help="the main job: fit a model into a memory budget, set it beside the full model")
     add_model_arg(p)
+    p.add_argument("--memory", default="1GiB", help="memory budget (default 1GiB)")
+    p.add_argument("--context", type=int, default=8192, help="tokens per user (default 8192)")
+    p.add_argument("--users", type=int, default=8, help="users held at once (default 8)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="where the fitted checkpoint goes (default ~/.cache/paperback/demo/MODEL-fit)")
     p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 windows of 512 tokens to score")
-    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-bench", action="store_true", help="skip the decode-speed comparison")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from paperback.cli import build_parser
 
+    out = args.output or Path.home() / ".cache" / "paperback" / "demo" / f"{Path(args.model).name}-fit"
     parser = build_parser()
-    steps = [
-        ["generate", args.model, "Explain in two sentences why the sky is blue.", "--max-tokens", "64"],
-        ["eval", args.model, "--data", "wikitext2", "--context", "512", "--max-windows", str(args.eval_windows)],
-    ]
+    fit_argv = ["fit", args.model, "--memory", args.memory, "--context", str(args.context), "--users",
+                str(args.users), "-o", str(out), "--overwrite", "--eval-context", "1024", "--eval-windows", "2",
+                "--calib-samples", "8", "--needle-depths", "0.5"]
+    console.rule(f"paperback {' '.join(fit_argv[:2])} --memory {args.memory} --context {args.context} "
+                 f"--users {args.users}")
+    fit_args = parser.parse_args(fit_argv)
+    code = fit_args.func(fit_args)
+    if code:
+        return code
+    console.rule("the full model beside the fitted one")
+    _compare(args, out)
+    console.rule(f"paperback generate {out.name}")
+    gen_args = parser.parse_args(["generate", str(out), "Explain in two sentences why the sky is blue.",
+                                  "--max-tokens", "48"])
+    return gen_args.func(gen_args)
+
+
+def _compare(args: argparse.Namespace, out: Path) -> None:
+    import json
+
+    from paperback.evaluation import load_text
+    from paperback.evaluation.perplexity import evaluate
+    from paperback.kv.cache import QuantizedKVCache
+    from paperback.kv.policy import build_policy
+    from paperback.loading import load_model
+    from paperback.plan.arithmetic import kv_bytes, weight_bytes
+    from paperback.plan.shape import shape_from_config
+
+    fit = json.loads((out / "fit.json").read_text())
+    allocation = fit["allocation"]
+    full = load_model(args.model, "fp32")
+    fitted = load_model(str(out), "fp32")
+    shape = shape_from_config(full.config, full.source.label, "")
+    full_weights = weight_bytes(shape, "fp16").total
+    full_kv = kv_bytes(shape, args.context, "fp16", args.users)
+    runtime = allocation["runtime_bytes"]
+    tokens = full.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
+    bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
+    policy = build_policy(fitted.config, spec=allocation["kv_policy"])
+    with console.status("WikiText-2: the full model, then the fitted one through its KV formats"):
+        reference = evaluate(full.model, tokens, 512, max_windows=args.eval_windows, dataset="wikitext2",
+                             progress=False, bos_token_id=bos)
+        light = evaluate(fitted.model, tokens, 512, reference=full.model, max_windows=args.eval_windows,
+                         dataset="wikitext2", progress=False, bos_token_id=bos,
+                         kv_cache=QuantizedKVCache.factory(fitted.model, policy), chunk=64)
+    budget = fit["workload"]["memory"]
+    rows = [["weights (MiB)", _mib(full_weights), _mib(allocation["weight_bytes"])],
+            [f"KV cache, {args.users} x {args.context} tokens (MiB)", _mib(full_kv), _mib(allocation["kv_bytes"])],
+            ["runtime allowance (MiB)", _mib(runtime), _mib(runtime)],
+            [f"total against the {_mib(budget)} MiB budget", _mib(full_weights + full_kv + runtime),
+             _mib(allocation["total_bytes"])],
+            ["WikiText-2 perplexity", f"{reference.perplexity:.3f}", f"{light.perplexity:.3f}"],
+            ["KL to the full model (nats/token)", "0", f"{light.kl_divergence:.4f}"],
+            ["top-1 agreement", "1", f"{light.top1_agreement:.3f}"]]
     if not args.skip_bench:
-        steps.append(["bench", args.model, "--repeats", "2"])
-    for argv in steps:
-        console.rule(f"paperback {' '.join(argv[:2])}")
-        sub_args = parser.parse_args(argv)
-        code = sub_args.func(sub_args)
-        if code:
-            return code
-    return 0
+        from paperback.bench.engines import BenchConfig
+        from paperback.bench.report import run_in_worker
+
+        speeds = []
+        with console.status("decode speed, batch 1: the full model, then the fitted one"):
+            for model in (args.model, str(out)):
+                result = run_in_worker("paperback", BenchConfig(model=model, batches=(1,), repeats=2))
+                speeds.append(result["decode"]["1"]["decode_tokens_per_s"])
+        rows.append(["decode tokens/s, batch 1", f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"])
+    print_table(f"{full.source.label}: full (16-bit weights, fp16 cache) and fitted "
+                f"({allocation['bits_per_weight']:.2f} bits per weight, per-layer KV formats)",
+                ["", "full", "fitted"], rows)
+    note(f"WikiText-2: {reference.tokens_scored:,} tokens in {reference.windows} windows of 512, never seen by the "
+         f"fit. Report: {out / 'report.html'}")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:,.0f}"

@@ -104,12 +104,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _kv_setup(args: argparse.Namespace, lm):
     """(cache factory, description) for --kv / --kv-policy / --kv-skip-layers; (None, None) without them."""
-    if args.kv is None and args.kv_policy is None and args.kv_skip_layers is None:
-        return None, None
     from paperback.kv import QuantizedKVCache, build_policy, calibrate_kv_amax
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+    from paperback.quantization.checkpoint import checkpoint_kv_policy
 
-    policy = build_policy(lm.config, args.kv, args.kv_skip_layers, args.kv_policy)
+    fitted = None
+    if args.kv is None and args.kv_policy is None and args.kv_skip_layers is None:
+        fitted = checkpoint_kv_policy(lm.source.path)  # a fitted checkpoint brings its own KV policy
+        if fitted is None:
+            return None, None
+    policy = build_policy(lm.config, args.kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
     kv_amax, calibration = None, None
     if policy.needs_fp8_calibration(lm.config.num_layers):
         calibration = CalibrationConfig(args.kv_calib, num_samples=16, seq_len=512)
@@ -118,6 +122,7 @@ def _kv_setup(args: argparse.Namespace, lm):
             "fp8_calibration": calibration.to_dict() if calibration else None,
             "bits_at_context": {str(c): policy.bits_at(lm.config, c) for c in args.context}}
     meta["storage"] = "paged engine blocks" if args.paged else "dense quantized cache"
+    meta["from_checkpoint"] = fitted is not None
     if args.paged:
         from paperback.engine.window_cache import PagedWindowCache
 

@@ -46,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
             ["chat template", str(facts["chat_template"])]]
     if facts["quantization"]:
         q = facts["quantization"]
-        rows.append(["quantization", f"{q['method']} {q['schemes']}, {q['layers']} layers at {q['bits_per_weight']:.3f} "
-                                     f"bits/weight"])
+        rows.append(["quantization", f"{q['method']} {q['schemes']}, {q['layers']} layers at "
+                                     f"{q['bits_per_weight']:.3f} bits/weight"])
+        if q["kv_policy"]:
+            layers = q["kv_policy"].get("layers", {})
+            rows.append(["KV policy (fitted)", f"{q['kv_policy']['default']}"
+                                               + (f", {len(layers)} layers otherwise" if layers else "")])
     print_table(cfg.name or lm.source.label, ["field", "value"], rows)
     return 0
 
@@ -66,4 +70,5 @@ def _quantization(lm) -> dict | None:
         bits += scheme.storage_bits(module.out_features, module.in_features)
         weights += module.out_features * module.in_features
     return {"method": recipe.get("method"), "schemes": ", ".join(sorted({s.label for s in layers.values()})),
-            "layers": len(layers), "bits_per_weight": bits / weights if weights else 0.0}
+            "layers": len(layers), "bits_per_weight": bits / weights if weights else 0.0,
+            "kv_policy": recipe.get("kv_policy")}

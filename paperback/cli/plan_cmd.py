@@ -54,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
         known[label] = stored
         weights = (label,) + tuple(args.weights or ())
     kv_labels, policies = kv_rows(shape, tuple(args.kv or KV_FORMATS), args.kv_skip_layers, args.kv_policy)
+    from paperback.quantization.checkpoint import checkpoint_kv_policy
+
+    fitted = checkpoint_kv_policy(args.model)
+    if fitted is not None:  # a fitted checkpoint: its own per-layer KV formats come first
+        from paperback.kv.policy import build_policy
+
+        policies["this checkpoint's KV policy"] = build_policy(shape, spec=fitted)
+        kv_labels = ("this checkpoint's KV policy",) + kv_labels
     report = plan(shape, memory, args.context, args.users, weights, kv_labels, args.chunk, known, policies)
     if args.plot:
         write_plot(shape, report, args.plot, policies)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg
@@ -55,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
     from paperback.quantization import GPTQConfig, QuantScheme
     from paperback.quantization.awq import AWQConfig
-    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
-    from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
-    from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, parse_targets, quantize_model
+    from paperback.quantization.calibration import CalibrationConfig
+    from paperback.quantization.model_pass import QuantizeConfig, parse_targets
+    from paperback.quantization.pipeline import quantize_to_checkpoint
 
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
@@ -70,28 +68,7 @@ def run(args: argparse.Namespace) -> int:
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
     calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
     lm = load_model(args.model, "fp32")
-    calibration = calibration_batch(lm.tokenizer, calib_cfg) if args.method != "rtn" else None
-    start = time.perf_counter()
-    quantized = quantize_model(lm.model, config, calibration, progress=not args.json)
-    seconds = time.perf_counter() - start
-    swap_in_quantized(lm.model, quantized)
-    forward_dtype = "bf16" if autocast_dtype(config, lm.model.device) else "fp32"
-    recipe = {
-        "source_model": str(lm.source.path),
-        "method": args.method,
-        "scheme": scheme.to_dict(),
-        "gptq": {**asdict(config.gptq), "forward_dtype": forward_dtype} if args.method == "gptq" else None,
-        "awq": config.awq.to_dict() if args.method == "awq" else None,
-        "modules": list(config.targets),
-        "calibration": calib_cfg.to_dict() if args.method != "rtn" else None,
-        "quantize_seconds": seconds,
-        "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
-    }
-    save_checkpoint(lm.model, lm.tokenizer, recipe, args.output, overwrite=args.overwrite)
-    q_bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())
-    q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
-    summary = {"output": str(args.output), "method": args.method, "scheme": scheme.label,
-               "layers": len(quantized), "bits_per_weight": q_bits / q_weights, "seconds": seconds}
+    summary = quantize_to_checkpoint(lm, config, calib_cfg, args.output, args.overwrite, progress=not args.json)
     if args.json:
         print_json(summary)
     else:

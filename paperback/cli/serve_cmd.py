@@ -37,9 +37,10 @@ def register(sub) -> None:
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv", default="fp32",
+    p.add_argument("--kv", default=None,
                    help="KV cache format of every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, pnmix, "
-                        "with settings as in `paperback eval --kv`); default fp32")
+                        "with settings as in `paperback eval --kv`); default: the policy a fitted checkpoint "
+                        "carries, else fp32")
     p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
     p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
     p.add_argument("--kv-memory", default=None, help="memory for the KV block pool (default 1GiB)")
@@ -73,14 +74,21 @@ def run(args: argparse.Namespace) -> int:
         raise PaperbackError("give either --memory (total) or --kv-memory (the KV pool alone), not both")
     kv_memory = parse_bytes(args.kv_memory or "1GiB")
     total = parse_bytes(args.memory) if args.memory else None
-    parse_kv_scheme(args.kv)  # a bad format fails before the model loads
+    if args.kv is not None:
+        parse_kv_scheme(args.kv)  # a bad format fails before the model loads
     lm = load_model(args.model, args.dtype)
     if total is not None:
         weights = module_bytes(lm.model)
         kv_memory = total - weights
         if kv_memory <= 0:
             raise PaperbackError(f"--memory {args.memory} does not even hold the weights ({weights / 2**20:.0f} MiB)")
-    policy = build_policy(lm.config, args.kv, args.kv_skip_layers, args.kv_policy)
+    from paperback.quantization.checkpoint import checkpoint_kv_policy
+
+    fitted = None
+    if args.kv is None and args.kv_policy is None and args.kv_skip_layers is None:
+        fitted = checkpoint_kv_policy(lm.source.path)
+    kv = args.kv if args.kv is not None or fitted is not None else "fp32"
+    policy = build_policy(lm.config, kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
     engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
                        prefix_caching=not args.no_prefix_caching,
                        scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens))

@@ -87,23 +87,26 @@ def select_layers(selector: str | int, config: ModelConfig) -> list[int]:
 
 
 def build_policy(config: ModelConfig, kv: str | None = None, skip_layers: str | None = None,
-                 policy_file: str | Path | None = None) -> KVPolicy:
-    """Policy from a format name, a comma-separated skip list and/or a JSON file; validated against the model."""
-    spec: dict = {}
+                 policy_file: str | Path | None = None, spec: dict | None = None) -> KVPolicy:
+    """Policy from a format name, a comma-separated skip list and/or a JSON file (or its parsed `spec`,
+    as a checkpoint's recipe carries it); validated against the model."""
+    where = "KV policy"
     if policy_file is not None:
         path = Path(policy_file)
+        where = f"KV policy file {path}"
         try:
             spec = json.loads(path.read_text())
         except FileNotFoundError:
             raise PaperbackError(f"KV policy file {path} does not exist") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PaperbackError(f"KV policy file {path} is not valid JSON: {e}") from None
-        if not isinstance(spec, dict) or set(spec) - POLICY_KEYS:
-            extra = sorted(set(spec) - POLICY_KEYS) if isinstance(spec, dict) else []
-            raise PaperbackError(f"KV policy file {path}: expected an object with keys {sorted(POLICY_KEYS)}"
-                                 + (f"; unknown: {extra}" if extra else ""))
-        if kv is not None and "default" in spec and parse_kv_scheme(spec["default"]) != parse_kv_scheme(kv):
-            raise PaperbackError(f"--kv {kv} and the policy file's default '{spec['default']}' disagree")
+    spec = {} if spec is None else spec
+    if not isinstance(spec, dict) or set(spec) - POLICY_KEYS:
+        extra = sorted(set(spec) - POLICY_KEYS) if isinstance(spec, dict) else []
+        raise PaperbackError(f"{where}: expected an object with keys {sorted(POLICY_KEYS)}"
+                             + (f"; unknown: {extra}" if extra else ""))
+    if kv is not None and "default" in spec and parse_kv_scheme(spec["default"]) != parse_kv_scheme(kv):
+        raise PaperbackError(f"--kv {kv} and the policy's default '{spec['default']}' disagree")
     default = parse_kv_scheme(spec.get("default", kv or "fp16"))
     overrides: dict[int, KVScheme] = {}
     layers = spec.get("layers", {})

@@ -98,20 +98,23 @@ def candidate_scales(s_x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def search_scale(weights: list[torch.Tensor], s_x: torch.Tensor, output_of: Callable[[list[torch.Tensor]], torch.Tensor],
-                 reference: torch.Tensor, scheme: QuantScheme, grid: int = 20,
+                 reference: torch.Tensor, scheme: QuantScheme | list[QuantScheme | None], grid: int = 20,
                  quantized: list[bool] | None = None) -> tuple[torch.Tensor, list[float]]:
     """The s = s_x^alpha (alpha on the grid) whose scaled, quantized weights give the lowest output MSE.
 
     output_of(ws) computes the judged module's output with the linears'
     weights replaced by ws, each already divided back by s (so the module's
-    input is unchanged). Returns the best scales and the error per alpha.
+    input is unchanged). scheme: one for every weight, or one per weight
+    (None: left unquantized). Returns the best scales and the error per alpha.
     """
-    quantized = quantized or [True] * len(weights)
+    schemes = scheme if isinstance(scheme, list) else [scheme] * len(weights)
+    if quantized is not None:
+        schemes = [s if q else None for s, q in zip(schemes, quantized)]
     errors: list[float] = []
     best, best_err = torch.ones_like(s_x), float("inf")
     for i in range(grid):
         s = candidate_scales(s_x, i / grid)
-        trial = [fake_quantize(w * s, scheme) / s if q else w for w, q in zip(weights, quantized)]
+        trial = [fake_quantize(w * s, sch) / s if sch is not None else w for w, sch in zip(weights, schemes)]
         err = (output_of(trial).float() - reference.float()).pow(2).mean().item()
         errors.append(err)
         if err < best_err:
@@ -175,12 +178,17 @@ def _sample_rows(x: torch.Tensor, count: int) -> torch.Tensor:
 
 @torch.no_grad()
 def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              targets: list[str], scheme: QuantScheme, config: AWQConfig) -> dict[str, QuantizedWeight]:
+              targets: list[str], scheme: QuantScheme | dict[str, QuantScheme], config: AWQConfig,
+              folded: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
     """Scale, clip and round the target linears of one block, given its input hidden states x (N, L, C).
 
-    The scales are folded into the block in place (its full-precision
-    function is unchanged); the returned weights are of the folded block.
+    scheme: one for every target, or {linear name: scheme} (linears that share
+    a scale group may differ: the scale search quantizes each in its own). The scales are folded into the block in
+    place (its full-precision function is unchanged); the returned weights are
+    of the folded block. folded, when given, receives {prev module name: s}
+    for every scale folded, so callers can map weights back to the unfolded basis.
     """
+    schemes = scheme if isinstance(scheme, dict) else {name: scheme for name in targets}
     groups = scale_groups(family, layer)
     inputs = _capture_inputs(layer, x, cos, sin, [g.linears[0] for g in groups])
     for group in groups:
@@ -209,8 +217,11 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
 
         reference = output_of([linear.weight.data for linear in linears])
         s, _ = search_scale([linear.weight.data for linear in linears], s_x, output_of,
-                            reference, scheme, config.grid, [name in targets for name in group.linears])
+                            reference, [schemes.get(name) if name in targets else None for name in group.linears],
+                            config.grid)
         fold_scale(layer.get_submodule(group.prev), linears, s)
+        if folded is not None:
+            folded[group.prev] = s
     quantized_names = list(targets)
     if config.clip:
         # Inputs again: the folds divided them by s. q and k are left unclipped, as in AWQ:
@@ -221,11 +232,11 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
                 continue
             linear = layer.get_submodule(name)
             linear.weight.data = search_clip(linear.weight.data, _sample_rows(inputs[name], config.clip_tokens),
-                                             scheme, config.clip_grid, config.max_shrink)
+                                             schemes[name], config.clip_grid, config.max_shrink)
     results = {}
     for name in quantized_names:
         linear = layer.get_submodule(name)
-        q = quantize_rtn(linear.weight.data, scheme)
+        q = quantize_rtn(linear.weight.data, schemes[name])
         results[name] = QuantizedWeight(q.codes, q.scales, q.zeros, q.scheme, "awq")
         linear.weight.data = q.dequantize(linear.weight.dtype)
     return results

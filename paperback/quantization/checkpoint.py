@@ -97,6 +97,14 @@ def read_recipe(path: Path) -> dict:
     return recipe
 
 
+def checkpoint_kv_policy(path) -> dict | None:
+    """The KV policy a checkpoint was fitted with (recipe "kv_policy"), or None: a file, or no policy."""
+    path = Path(path)
+    if not (path.is_dir() and (path / RECIPE_FILE).is_file()):
+        return None
+    return read_recipe(path).get("kv_policy")
+
+
 def _rope(raw: dict | None) -> RopeConfig | None:
     if raw is None:
         return None

@@ -74,6 +74,9 @@ class QuantizeConfig:
     # multiplies bf16 natively (CUDA, AVX512-BF16 CPUs), else fp32. Hessians, scales and
     # GPTQ's column updates always run in fp32/fp64.
     forward_dtype: str = "auto"
+    # Per-layer schemes by parameter name ("model.layers.3.mlp.down_proj.weight", EMBED_PARAM, HEAD_PARAM),
+    # overriding `scheme`: a mixed-precision checkpoint, as an allocation chooses it.
+    layer_schemes: dict[str, QuantScheme] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.forward_dtype not in ("auto", "fp32", "bf16"):
@@ -83,6 +86,13 @@ class QuantizeConfig:
         unknown = set(self.targets) - set(BLOCK_LINEARS) - set(EDGE_TARGETS)
         if unknown:
             raise PaperbackError(f"unknown target modules: {', '.join(sorted(unknown))}")
+
+    def scheme_for(self, param_name: str) -> QuantScheme:
+        return self.layer_schemes.get(param_name, self.scheme)
+
+    @property
+    def label(self) -> str:
+        return "mixed" if self.layer_schemes else self.scheme.label
 
 
 def autocast_dtype(config: QuantizeConfig, device: torch.device) -> torch.dtype | None:
@@ -115,22 +125,23 @@ def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torc
     if not wanted:
         return
 
-    def quantize(weight: torch.Tensor, as_head: bool) -> QuantizedWeight:
+    def quantize(weight: torch.Tensor, as_head: bool, scheme: QuantScheme) -> QuantizedWeight:
         if as_head and head_hessian is not None:
-            return gptq_quantize(weight, head_hessian, config.scheme, config.gptq)
-        return quantize_rtn(weight, config.scheme)
+            return gptq_quantize(weight, head_hessian, scheme, config.gptq)
+        return quantize_rtn(weight, scheme)
 
     if model.lm_head is None:  # tied: one matrix serves both
         module, name = model.model.embed_tokens, EMBED_PARAM
-        q = quantize(module.weight, as_head="head" in wanted)
+        scheme = config.layer_schemes.get(HEAD_PARAM, config.scheme_for(EMBED_PARAM))
+        q = quantize(module.weight, "head" in wanted, scheme)
         _set_weight(module, q)
         results[name] = q
         return
     if "head" in wanted:
-        results[HEAD_PARAM] = q = quantize(model.lm_head.weight, as_head=True)
+        results[HEAD_PARAM] = q = quantize(model.lm_head.weight, True, config.scheme_for(HEAD_PARAM))
         _set_weight(model.lm_head, q)
     if "embed" in wanted:
-        results[EMBED_PARAM] = q = quantize(model.model.embed_tokens.weight, as_head=False)
+        results[EMBED_PARAM] = q = quantize(model.model.embed_tokens.weight, False, config.scheme_for(EMBED_PARAM))
         _set_weight(model.model.embed_tokens, q)
 
 
@@ -147,12 +158,12 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
     """
     layers = model.model.layers
     results: dict[str, QuantizedWeight] = {}
-    bar = tqdm(total=len(layers), desc=f"{config.method} {config.scheme.label}", unit="block",
+    bar = tqdm(total=len(layers), desc=f"{config.method} {config.label}", unit="block",
                disable=None if progress else True, leave=False)
     if config.method == "rtn":
         for idx, layer in enumerate(layers):
             for name, module in _targets(layer, config).items():
-                q = quantize_rtn(module.weight, config.scheme)
+                q = quantize_rtn(module.weight, config.scheme_for(f"model.layers.{idx}.{name}.weight"))
                 _set_weight(module, q)
                 results[f"model.layers.{idx}.{name}.weight"] = q
             bar.update()
@@ -201,8 +212,8 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
                     h.remove()
             for name in group:
                 module = targets[name]
-                q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H, config.scheme,
-                                  config.gptq)
+                q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H,
+                                  config.scheme_for(f"model.layers.{idx}.{name}.weight"), config.gptq)
                 _set_weight(module, q)
                 results[f"model.layers.{idx}.{name}.weight"] = q
         with _autocast(device, low):  # inputs of the next block, post-quantization
@@ -228,7 +239,8 @@ def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tenso
     block_targets = [name for name in config.targets if name in BLOCK_LINEARS]
     for idx, layer in enumerate(model.model.layers):
         cos, sin = model.rotary_for(idx)(positions, hidden.dtype)
-        for name, q in awq_block(layer, model.config.family, hidden, cos, sin, block_targets, config.scheme,
+        schemes = {name: config.scheme_for(f"model.layers.{idx}.{name}.weight") for name in block_targets}
+        for name, q in awq_block(layer, model.config.family, hidden, cos, sin, block_targets, schemes,
                                  config.awq).items():
             results[f"model.layers.{idx}.{name}.weight"] = q
         hidden = layer(hidden, cos, sin, 0, None)  # inputs of the next block, post-quantization

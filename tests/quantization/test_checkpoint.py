@@ -90,7 +90,7 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == 134_515_008  # packed layers count their weights, not their bytes
     assert info["quantization"] == {"method": "rtn", "schemes": "W4a-g64", "layers": 210,
-                                    "bits_per_weight": pytest.approx(summary["bits_per_weight"])}
+                                    "bits_per_weight": pytest.approx(summary["bits_per_weight"]), "kv_policy": None}
 
 
 def test_cli_quantizes_the_head_and_the_packed_head_runs_a_quantized_cache(tmp_path, capsys):
@@ -160,3 +160,29 @@ def test_every_method_quantizes_gemma3_from_the_cli(tmp_path, capsys, method):
     result = json.loads(capsys.readouterr().out)["results"][0]
     assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
     assert main(["generate", str(out), "The Roman Empire", "--max-tokens", "3", "--json"]) == 0
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_mixed_schemes_per_layer_round_trip(tmp_path, tiny_gguf, method):
+    """Per-layer schemes (what an allocation chooses), q/k/v apart too, in one checkpoint that reloads exactly."""
+    lm = load_model(tiny_gguf, with_tokenizer=False)
+    mix = {"model.layers.0.self_attn.q_proj.weight": QuantScheme(2, 32),
+           "model.layers.0.self_attn.v_proj.weight": QuantScheme(8, None, True),
+           "model.layers.1.mlp.down_proj.weight": QuantScheme(3, 64),
+           "lm_head.weight": QuantScheme(8, None, True)}
+    config = QuantizeConfig(method, QuantScheme(4, 32), targets=QuantizeConfig().targets + ("head",),
+                            layer_schemes=mix)
+    torch.manual_seed(0)
+    results = quantize_model(lm.model, config, torch.randint(0, 256, (4, 32)), progress=False)
+    for name, q in results.items():
+        assert q.scheme == mix.get(name, QuantScheme(4, 32)), name
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        in_memory = lm.model(ids)
+    swap_in_quantized(lm.model, results)
+    save_checkpoint(lm.model, None, {"method": method, "layers": {
+        n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}}, tmp_path / "mixed")
+    loaded = load_model(str(tmp_path / "mixed"), with_tokenizer=False)
+    assert loaded.model.model.layers[0].self_attn.q_proj.scheme == QuantScheme(2, 32)
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(ids), in_memory, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,174 @@
+"""Equal bytes, three policies: uniform schemes, llama.cpp's mixing, and paperback's allocation.
+
+    .venv/bin/python benchmarks/bench_allocation.py [--model smollm2] [--budgets W3a-g128 W3a-g64 W4a-g128 W4a-g64]
+        [--policies uniform llama.cpp paperback] [--windows 16] [--markdown]
+
+Each budget is the bytes of one uniform scheme over every block linear and
+the output head. At that budget, llama.cpp's mix (paperback.allocate.baselines)
+and paperback's allocation (the exact solve over the model's profile, weight
+units only) are built to the same bytes (within 1%, checked), each is
+quantized from a fresh copy of the model with the same method and
+calibration (pydoc, never the evaluation text; the profile read the first
+half of pydoc too; AWQ with the profile's lighter searches unless
+--full-awq), and scored by KL to the full model and perplexity on
+WikiText-2 and PTB windows of 512 tokens. The KV cache is exact throughout:
+this table is about weights. Results go to
+benchmarks/results/allocation_<model>.json after every cell (a rerun skips
+cells already there unless --fresh), with a plot of KL against bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
+from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
+from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
+from paperback.allocate.solver import solve  # noqa: E402
+from paperback.cli.output import print_table  # noqa: E402
+from paperback.evaluation import evaluate, load_text  # noqa: E402
+from paperback.loading import load_model  # noqa: E402
+from paperback.quantization.awq import AWQConfig  # noqa: E402
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch  # noqa: E402
+from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
+from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
+
+POLICIES = ("uniform", "llama.cpp", "paperback")
+
+
+def paperback_policy(allocator: Allocator, budget: int) -> dict:
+    """The allocation over weight units alone, within `budget` bytes of allocated units."""
+    chosen = solve(allocator.weight_groups(), budget)
+    schemes = allocator.schemes
+    return {p: schemes[chosen[u.name].label] for u in allocator.units for p in u.params}
+
+
+def predicted_kl(profile: dict, units, policy: dict) -> float | None:
+    """Sum of the profile's unit costs, when every unit's linears share one profiled scheme."""
+    kl = profile["weights"]["kl"]
+    total = 0.0
+    for unit in units:
+        labels = {policy[p].label for p in unit.params}
+        if len(labels) != 1 or next(iter(labels)) not in kl[unit.name]:
+            return None
+        total += kl[unit.name][labels.pop()]
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--budgets", nargs="+", default=["W3a-g128", "W3a-g64", "W4a-g128", "W4a-g64"])
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--method", choices=["rtn", "gptq", "awq"], default="awq")
+    parser.add_argument("--calib-samples", type=int, default=16)
+    parser.add_argument("--full-awq", action="store_true",
+                        help="AWQ's full searches (grid 20, 4,096 search tokens) instead of the profile's lighter "
+                             "ones (grid 10, 512), for every policy alike")
+    parser.add_argument("--windows", type=int, default=16, help="windows of 512 tokens per data set")
+    parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
+    parser.add_argument("--fresh", action="store_true", help="redo cells already in the JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
+    args = parser.parse_args()
+    warn_if_busy()
+    torch.manual_seed(0)
+    out_name = f"allocation_{args.model}.json"
+    previous = {} if args.fresh or not (RESULTS / out_name).exists() else json.loads((RESULTS / out_name).read_text())
+    cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])}
+
+    full = load_model(args.model, "fp32")
+    profile = Profiler(full.model, full.tokenizer, load_text("pydoc"), "pydoc", ProfileConfig(args.method)).run()
+    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    units, shapes = allocator.units, param_shapes(allocator.units)
+    candidates = list(allocator.schemes.values())
+    calibration = calibration_batch(full.tokenizer, CalibrationConfig("pydoc", args.calib_samples, 512, span=0.5))
+    texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
+    bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
+    reference_cache: dict = {}
+
+    for label in args.budgets:
+        budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
+        policies = {"uniform": lambda: uniform_policy(units, allocator.schemes[label]),
+                    "llama.cpp": lambda: llama_cpp_mix(units, full.config.num_layers, candidates, budget),
+                    "paperback": lambda: paperback_policy(allocator, budget)}
+        for name in args.policies:
+            if (label, name) in cells:
+                continue
+            policy = policies[name]()
+            used = policy_bytes(shapes, policy)
+            if not 0.99 * budget <= used <= budget:
+                raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")
+            lm = load_model(args.model, "fp32", with_tokenizer=False)
+            awq = AWQConfig(search_samples=args.calib_samples) if args.full_awq else PROFILE_AWQ
+            config = QuantizeConfig(args.method, allocator.schemes[label], awq=awq,
+                                    targets=BLOCK_LINEARS + ("head",), layer_schemes=policy)
+            start = time.perf_counter()
+            quantize_model(lm.model, config, calibration, progress=False)
+            seconds = time.perf_counter() - start
+            cell = {"budget": label, "policy": name, "bytes": used, "budget_bytes": budget,
+                    "bits_per_weight": 8 * used / sum(u.numel for u in units),
+                    "predicted_kl": predicted_kl(profile, units, policy), "quantize_seconds": seconds,
+                    "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
+            for data, tokens in texts.items():
+                r = evaluate(lm.model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,
+                             progress=False, bos_token_id=bos, reference_cache=reference_cache)
+                cell[data] = {"kl": r.kl_divergence, "perplexity": r.perplexity,
+                              "reference_perplexity": r.reference_perplexity, "tokens": r.tokens_scored}
+            cells[(label, name)] = cell
+            print(json.dumps({k: v for k, v in cell.items() if k != "schemes"}), flush=True)
+            write_results(out_name, {"model": args.model, "method": args.method, "windows": args.windows,
+                                     "awq": "full" if args.full_awq else "profile (grid 10, 512 search tokens)",
+                                     "calibration": "pydoc", "profile_key": profile.get("reused_from_cache"),
+                                     "cells": list(cells.values())})
+    rows = []
+    for label in args.budgets:
+        for name in POLICIES:
+            c = cells.get((label, name))
+            if c is None:
+                continue
+            rows.append([label, name, f"{c['bits_per_weight']:.3f}", f"{c['bytes'] / 2 ** 20:.2f}",
+                         *(f"{c[d]['kl']:.4f}" for d in args.data), *(f"{c[d]['perplexity']:.2f}" for d in args.data)])
+    warn_if_busy(torch.get_num_threads())
+    cols = ["budget (uniform)", "policy", "bits/weight", "MiB", *(f"KL {d}" for d in args.data),
+            *(f"ppl {d}" for d in args.data)]
+    if args.markdown:
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for row in rows:
+            print("| " + " | ".join(map(str, row)) + " |")
+    else:
+        print_table(f"{args.model}: equal bytes, KL to the full model ({args.method}, {args.windows} windows of 512)",
+                    cols, rows)
+    plot(args.model, args.data, cells)
+
+
+def plot(model: str, data: list[str], cells: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 3.8))
+    for ax, d in zip(axes if len(data) > 1 else [axes], data):
+        for name, marker in zip(POLICIES, "osD"):
+            points = sorted((c["bits_per_weight"], c[d]["kl"]) for (_, p), c in cells.items() if p == name)
+            if points:
+                ax.plot(*zip(*points), marker=marker, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight (block linears and head)")
+        ax.set_ylabel(f"KL to the full model, {d}")
+        ax.legend()
+    out = RESULTS / f"allocation_{model}.png"
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""From a profile and a memory budget to a fixed policy: each weight unit's scheme, each layer's KV format.
+
+The budget is what a serving process holds: weights + users x KV cache at
+the context + the runtime allowance the planner counts. The objective is the
+profile's predicted KL, the sum of each choice's measured cost, which the
+profile's additivity check validates. Solved exactly (`solver.solve`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
+from paperback.allocate.units import (WeightUnit, fixed_weight_bytes, kv_layer_bytes, parse_kv_candidates,
+                                      parse_weight_candidates, pool_block_size)
+from paperback.errors import PaperbackError
+from paperback.models.config import ModelConfig
+from paperback.plan.planner import runtime_allowance
+from paperback.plan.shape import shape_from_config
+from paperback.quantization.scheme import QuantScheme
+
+
+@dataclass(frozen=True)
+class Workload:
+    memory: int  # bytes
+    context: int
+    users: int
+
+    def __post_init__(self):
+        if self.memory <= 0 or self.context <= 0 or self.users <= 0:
+            raise PaperbackError("memory, context and users must be positive")
+
+
+@dataclass
+class Allocation:
+    weights: dict[str, str]  # unit name -> scheme label
+    kv: dict[int, str]  # layer -> KV spec
+    predicted_kl: float
+    weight_bytes: int
+    kv_bytes: float  # all users at the context
+    runtime_bytes: int
+    budget: int
+    bits_per_weight: float  # over the allocated units
+    breakdown: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.runtime_bytes
+
+    def layer_schemes(self, units: list[WeightUnit]) -> dict[str, QuantScheme]:
+        """{parameter name: scheme} for QuantizeConfig.layer_schemes."""
+        schemes = {s.label: s for s in parse_weight_candidates(set(self.weights.values()))}
+        return {param: schemes[self.weights[u.name]] for u in units for param in u.params}
+
+    def kv_policy_spec(self) -> dict:
+        """The KV policy as `build_policy` reads it from a file."""
+        counts: dict[str, int] = {}
+        for spec in self.kv.values():
+            counts[spec] = counts.get(spec, 0) + 1
+        default = max(counts, key=counts.get)
+        return {"default": default, "layers": {str(i): s for i, s in sorted(self.kv.items()) if s != default}}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kv": {str(k): v for k, v in self.kv.items()}, "total_bytes": self.total_bytes,
+                "kv_policy": self.kv_policy_spec()}
+
+
+class Allocator:
+    """Options and their bytes for one model and workload, from a profile's measured costs."""
+
+    def __init__(self, profile: dict, model, workload: Workload):
+        self.profile, self.workload = profile, workload
+        self.config: ModelConfig = model.config
+        units = profile["weights"]["units"]
+        self.units = [WeightUnit(u["name"], u["layer"], tuple(u["params"]), tuple(tuple(s) for s in u["shapes"]))
+                      for u in units]
+        self.schemes = {s.label: s for s in parse_weight_candidates(profile["weights"]["schemes"])}
+        specs = profile["kv"]["specs"]
+        self.formats = dict(zip(specs, parse_kv_candidates(specs, self.config)))
+        self.labels = dict(zip(specs, profile["kv"]["formats"]))
+        self.block_size = pool_block_size(list(self.formats.values()))
+        self.fixed_bytes = fixed_weight_bytes(model, self.units)
+        self.runtime = runtime_allowance(shape_from_config(self.config, "", ""), users=workload.users).total
+
+    def weight_groups(self, allowed: set[str] | None = None) -> list[Group]:
+        kl = self.profile["weights"]["kl"]
+        return [Group(u.name, tuple(Option(label, u.bytes_for(s), kl[u.name][label])
+                                    for label, s in self.schemes.items() if allowed is None or label in allowed))
+                for u in self.units]
+
+    def kv_cost(self, layer: int, spec: str) -> float:
+        """A layer's measured KL in a format, scaled to the profile's long window when it has one."""
+        label = self.labels[spec]
+        long = self.profile["kv"].get("long") or {}
+        return self.profile["kv"]["kl"][str(layer)][label] * long.get("scale", {}).get(label, 1.0)
+
+    def kv_groups(self, allowed: set[str] | None = None) -> list[Group]:
+        w = self.workload
+        return [Group(f"kv.{i}", tuple(
+            Option(spec, w.users * kv_layer_bytes(s, self.config, i, w.context, self.block_size),
+                   self.kv_cost(i, spec))
+            for spec, s in self.formats.items() if allowed is None or spec in allowed))
+            for i in range(self.config.num_layers)]
+
+    def capacity(self) -> float:
+        return self.workload.memory - self.runtime - self.fixed_bytes
+
+    def allocate(self, weight_options: set[str] | None = None, kv_options: set[str] | None = None) -> Allocation:
+        """The least predicted KL within the budget, over the allowed options (all by default)."""
+        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options)
+        if any(not g.options for g in groups):
+            raise PaperbackError("no candidate left to choose from after restricting the options")
+        try:
+            chosen = solve(groups, self.capacity())
+        except InfeasibleBudget:
+            raise InfeasibleBudget(self.infeasible_message(groups)) from None
+        return self._allocation(chosen)
+
+    def budget_curve(self, points: int = 24) -> list[dict]:
+        """Predicted KL of the best allocation at budgets from the least that fits to the most any option
+        takes (the curve a report draws, the breakdown point comes from): [{memory, predicted_kl, ...}]."""
+        groups = self.weight_groups() + self.kv_groups()
+        fixed = self.runtime + self.fixed_bytes
+        low = fixed + min_bytes(groups)
+        high = fixed + sum(max(o.bytes for o in g.options) for g in groups)
+        curve = []
+        for k in range(points):
+            memory = low + (high - low) * (k / (points - 1)) ** 2  # denser where quality changes fastest
+            chosen = solve(groups, memory - fixed)
+            curve.append({"memory": memory, "predicted_kl": sum(o.cost for o in chosen.values()),
+                          "bytes": fixed + sum(o.bytes for o in chosen.values())})
+        return curve
+
+    def infeasible_message(self, groups: list[Group]) -> str:
+        need = min_bytes(groups) + self.runtime + self.fixed_bytes
+        w = self.workload
+        kv_min = min_bytes([g for g in groups if g.name.startswith("kv.")])
+        weights_min = need - kv_min - self.runtime
+        per_user = kv_min / w.users
+        room = w.memory - weights_min - self.runtime
+        users = int(room // per_user) if per_user > 0 and room > 0 else 0
+        return (f"{_mib(w.memory)} cannot hold {w.users} user(s) at {w.context} tokens even with the smallest "
+                f"options: that needs {_mib(need)} (weights {_mib(weights_min)}, KV {_mib(kv_min)}, runtime "
+                f"{_mib(self.runtime)}). Nearest feasible: --memory {_mib(need)}, or --users {users} at this "
+                f"context" + ("" if users else " (none fit: raise --memory)"))
+
+    def _allocation(self, chosen: dict[str, Option]) -> Allocation:
+        weights = {u.name: chosen[u.name].label for u in self.units}
+        kv = {i: chosen[f"kv.{i}"].label for i in range(self.config.num_layers)}
+        unit_bytes = sum(chosen[u.name].bytes for u in self.units)
+        kv_bytes = sum(chosen[f"kv.{i}"].bytes for i in range(self.config.num_layers))
+        numel = sum(u.numel for u in self.units)
+        weight_kl = sum(chosen[u.name].cost for u in self.units)
+        kv_kl = sum(chosen[f"kv.{i}"].cost for i in range(self.config.num_layers))
+        return Allocation(weights, kv, weight_kl + kv_kl, int(unit_bytes + self.fixed_bytes), kv_bytes,
+                          self.runtime, self.workload.memory, 8 * unit_bytes / numel,
+                          {"weights_kl": weight_kl, "kv_kl": kv_kl, "fixed_weight_bytes": self.fixed_bytes,
+                           "block_size": self.block_size})
+
+
+def breakdown_point(curve: list[dict], max_kl: float) -> dict | None:
+    """The least memory on the curve whose predicted KL is at most max_kl (below it, quality breaks down)."""
+    ok = [point for point in curve if point["predicted_kl"] <= max_kl]
+    return min(ok, key=lambda p: p["memory"]) if ok else None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:,.1f}MiB"
+
+
+def check_budget(model, workload: Workload, weight_schemes, kv_specs, include_head: bool = True) -> None:
+    """Refuse a budget that even the smallest options cannot meet, before any profiling: bytes do not
+    depend on measured costs, so a profile of zeros sizes the problem."""
+    from paperback.allocate.units import weight_units
+
+    units = weight_units(model.config, include_head)
+    schemes = [s.label for s in parse_weight_candidates(weight_schemes)]
+    formats = parse_kv_candidates(kv_specs, model.config)
+    skeleton = {
+        "weights": {"units": [{"name": u.name, "layer": u.layer, "params": list(u.params),
+                               "shapes": [list(s) for s in u.shapes]} for u in units],
+                    "schemes": schemes, "kl": {u.name: dict.fromkeys(schemes, 0.0) for u in units}},
+        "kv": {"specs": list(kv_specs), "formats": [f.label for f in formats],
+               "kl": {str(i): {f.label: 0.0 for f in formats} for i in range(model.config.num_layers)}},
+    }
+    allocator = Allocator(skeleton, model, workload)
+    groups = allocator.weight_groups() + allocator.kv_groups()
+    if min_bytes(groups) > allocator.capacity():
+        raise InfeasibleBudget(allocator.infeasible_message(groups))

@@ -1,0 +1,461 @@
+"""A sensitivity profile: measured once per model and text, saved, read by the allocator, `fit` and the report.
+
+It holds, on the profiling part of the text (the leading `span` of it; the
+rest is held out for evaluation):
+
+- weights: the KL increase to the full model when one unit alone is
+  quantized, for every unit and candidate scheme;
+- kv: the KL increase when one layer alone stores its cache in a format,
+  read back as served (chunked prefill through the format);
+- tokens: per layer, where the attention mass goes (sinks, recent, middle);
+- additivity: for random mixed assignments, the summed prediction against
+  the KL measured with everything applied at once, and their correlation.
+
+Profiling is resumable: measurements go to `<key>.partial.json` in the
+cache directory as they are made, and the complete profile is written
+(temporary file, then rename) only at the end, so an interrupted run never
+leaves a file that looks complete. A complete profile for the same model,
+text and settings is reused from the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from paperback.allocate.probe import ReferenceProbe, swapped_weights
+from paperback.allocate.quantized_units import EffectiveWeight, quantize_block
+from paperback.allocate.token_importance import token_importance
+from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT, WeightUnit,
+                                      parse_kv_candidates, parse_weight_candidates, weight_units)
+from paperback.errors import DatasetError, PaperbackError
+from paperback.kv.policy import KVPolicy
+from paperback.quantization.awq import AWQConfig
+from paperback.quantization.model_pass import METHODS
+from paperback.quantization.rtn import quantize_rtn
+
+PROFILE_FORMAT = "paperback-profile"
+PROFILE_VERSION = 1
+# AWQ's searches at profiling size: a sensitivity needs the scheme's error, not the last 1% of it.
+PROFILE_AWQ = AWQConfig(grid=10, clip_grid=10, clip_tokens=256, search_tokens=512)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    method: str = "awq"
+    weight_schemes: tuple[str, ...] = DEFAULT_WEIGHT_SCHEMES
+    kv_formats: tuple[str, ...] = DEFAULT_KV_FORMATS
+    windows: int = 1  # profiling windows the KL is measured on
+    window_tokens: int = 512  # KV formats and token importance read whole windows
+    weight_tokens: int = 256  # weight units are measured on each window's first weight_tokens
+    score_stride: int = 2  # KL over every score_stride-th position (all still run as context)
+    calib_samples: int = 2  # windows AWQ / GPTQ calibrate on, drawn from the same profiling part
+    span: float = 0.5  # leading fraction of the text that may be profiled; the rest is held out
+    kv_chunk: int = 64  # tokens per prefill chunk when a cache is read back
+    # One longer window on which each format is measured in every layer at once: per-layer costs from the
+    # short windows are scaled so their sum matches it, since a format's error grows with the tokens it holds.
+    kv_context: int = 2048
+    additivity_samples: int = 24
+    seed: int = 0
+    include_head: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise PaperbackError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
+        if not 16 <= self.weight_tokens <= self.window_tokens:
+            raise PaperbackError("weight tokens must be at least 16 and at most the window")
+        if self.windows < 1 or self.calib_samples < 1 or self.score_stride < 1:
+            raise PaperbackError("profiling needs at least 1 window of at least 16 tokens and 1 calibration sample")
+        if not 0 < self.span <= 1:
+            raise PaperbackError(f"profiling span must be in (0, 1], got {self.span}")
+        if self.additivity_samples < 0 or self.kv_chunk < 1:
+            raise PaperbackError("additivity samples must be >= 0 and the KV chunk >= 1")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "weight_schemes": list(self.weight_schemes), "kv_formats": list(self.kv_formats)}
+
+
+def model_fingerprint(model) -> str:
+    """sha256 of every tensor's name, shape, dtype and bytes: the same weights give the same profile."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def text_fingerprint(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def profile_key(model_fp: str, text_fp: str, config: ProfileConfig) -> str:
+    settings = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()
+    return f"{model_fp[:16]}-{text_fp[:16]}-{settings[:12]}"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAPERBACK_CACHE", Path.home() / ".cache" / "paperback")) / "profiles"
+
+
+@dataclass
+class ProfileText:
+    """The token ids a profile reads: scored windows and calibration windows, both from the profiled part."""
+
+    windows: torch.Tensor  # (N, T)
+    calibration: torch.Tensor  # (M, T)
+    long_window: torch.Tensor | None  # (1, L): up to kv_context tokens after the windows, when the text has them
+    profiled_tokens: int
+    total_tokens: int
+
+
+def split_text(token_ids: list[int], config: ProfileConfig, bos_token_id: int | None = None,
+               max_positions: int | None = None) -> ProfileText:
+    """Windows from the leading `span` of the text: the first `windows` in a row, then seeded calibration ones."""
+    part = token_ids[: int(len(token_ids) * config.span)]
+    need = config.windows * config.window_tokens
+    if len(part) < need:
+        raise DatasetError(
+            f"the text has {len(token_ids)} tokens; profiling reads {config.windows} window(s) of "
+            f"{config.window_tokens} from its first {config.span:.0%}, so it needs at least "
+            f"{math.ceil(need / config.span)} tokens")
+    ids = torch.tensor(part, dtype=torch.long)
+    windows = ids[:need].reshape(config.windows, config.window_tokens).clone()
+    gen = torch.Generator().manual_seed(config.seed)
+    starts = torch.randint(0, len(part) - config.window_tokens + 1, (config.calib_samples,), generator=gen)
+    calibration = torch.stack([ids[s:s + config.window_tokens] for s in starts.tolist()])
+    long_window = None
+    length = min(config.kv_context, len(part) - need, max_positions or config.kv_context)
+    if length >= 2 * config.window_tokens:  # shorter than that says nothing the windows do not
+        long_window = ids[need:need + length][None].clone()
+    if bos_token_id is not None:
+        for batch in (windows, calibration, long_window):
+            if batch is not None:
+                batch[:, 0] = bos_token_id
+    return ProfileText(windows, calibration, long_window, len(part), len(token_ids))
+
+
+def _atomic_write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+class Profiler:
+    """Measures a profile of `model` on `text`, saving partial results to the cache as it goes."""
+
+    def __init__(self, model, tokenizer, text: str, text_source: str, config: ProfileConfig,
+                 cache_dir: Path | None = None, progress: bool = True, model_label: str = ""):
+        self.model, self.config, self.progress = model, config, progress
+        self.schemes = parse_weight_candidates(config.weight_schemes)
+        self.formats = parse_kv_candidates(config.kv_formats, model.config)
+        self.units = weight_units(model.config, config.include_head)
+        bos = tokenizer.bos_token_id if getattr(tokenizer, "adds_bos", False) else None
+        self.text = split_text(tokenizer.encode(text, add_special_tokens=False), config, bos,
+                               model.config.max_position_embeddings)
+        self.model_fp = model_fingerprint(model)
+        self.text_fp = text_fingerprint(text)
+        self.key = profile_key(self.model_fp, self.text_fp, config)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.data = {
+            "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "complete": False,
+            "model": {"label": model_label, "fingerprint": self.model_fp, "config": model.config.to_dict()},
+            "text": {"source": text_source, "sha256": self.text_fp, "tokens": self.text.total_tokens,
+                     "profiled_tokens": self.text.profiled_tokens, "span": config.span},
+            "config": config.to_dict(),
+            "weights": {"units": [{"name": u.name, "layer": u.layer, "params": list(u.params),
+                                   "shapes": [list(s) for s in u.shapes]} for u in self.units],
+                        "schemes": [s.label for s in self.schemes], "kl": {}},
+            "kv": {"formats": [f.label for f in self.formats], "specs": list(config.kv_formats), "kl": {}, "long": None},
+            "tokens": None, "additivity": None, "seconds": {},
+        }
+        self.effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = {}
+
+    @property
+    def partial_path(self) -> Path:
+        return self.cache_dir / f"{self.key}.partial.json"
+
+    @property
+    def complete_path(self) -> Path:
+        return self.cache_dir / f"{self.key}.json"
+
+    def _save_partial(self) -> None:
+        _atomic_write(self.partial_path, self.data)
+
+    def _resume(self) -> None:
+        try:
+            saved = json.loads(self.partial_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        if saved.get("model", {}).get("fingerprint") == self.model_fp and saved.get("config") == self.data["config"]:
+            for part in ("weights", "kv"):
+                self.data[part]["kl"] = saved.get(part, {}).get("kl", {})
+            self.data["kv"]["long"] = saved.get("kv", {}).get("long")
+            self.data["additivity"] = saved.get("additivity")
+            self.data["tokens"] = saved.get("tokens")
+            self.data["seconds"] = saved.get("seconds", {})
+
+    def _finished(self) -> dict | None:
+        """A complete profile for this key: from the cache, or shipped with paperback (the bundled models')."""
+        shipped = resources.files("paperback.data").joinpath("profiles", f"{self.key}.json")
+        for path in (self.complete_path, shipped):
+            try:
+                cached = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if cached.get("complete") and cached.get("config") == self.data["config"]:
+                cached["reused_from_cache"] = str(path)
+                return cached
+        return None
+
+    def run(self) -> dict:
+        finished = self._finished()
+        if finished is not None:
+            return finished
+        self._resume()
+        start = time.perf_counter()
+        cfg = self.config
+        probe = ReferenceProbe(self.model, self.text.windows, cfg.kv_chunk, cfg.score_stride)
+        weight_probe = probe if cfg.weight_tokens == cfg.window_tokens else ReferenceProbe(
+            self.model, self.text.windows[:, :cfg.weight_tokens], cfg.kv_chunk, cfg.score_stride)
+        self._timed("reference", start)
+        self._weights(weight_probe)
+        self._kv(probe)
+        self._kv_long()
+        if self.data["tokens"] is None:
+            t0 = time.perf_counter()
+            self.data["tokens"] = {"sinks": 4, "recent": 128,
+                                   "layers": token_importance(self.model, self.text.windows)}
+            self._timed("tokens", t0)
+            self._save_partial()
+        self._additivity(weight_probe, probe)
+        self.data["complete"] = True
+        _atomic_write(self.complete_path, self.data)
+        self.partial_path.unlink(missing_ok=True)
+        return self.data
+
+    def _timed(self, part: str, start: float) -> None:
+        self.data["seconds"][part] = self.data["seconds"].get(part, 0.0) + time.perf_counter() - start
+
+    # --- weights ------------------------------------------------------------------------------------------
+    def _block_units(self, layer: int) -> list[WeightUnit]:
+        return [u for u in self.units if u.layer == layer]
+
+    def _weights(self, probe: ReferenceProbe) -> None:
+        kl = self.data["weights"]["kl"]
+        todo = sum(1 for u in self.units for s in self.schemes if s.label not in kl.get(u.name, {}))
+        if todo == 0 and self.data["additivity"] is not None:
+            return  # nothing left that needs the quantized weights
+        bar = tqdm(total=todo, desc="profile weights", unit="unit", disable=None if self.progress else True,
+                   leave=False)
+        model = self.model
+        calib = model.embed(self.text.calibration)
+        positions = torch.arange(calib.shape[1], device=model.device)
+        with torch.inference_mode():
+            for idx, layer in enumerate(model.model.layers):
+                t0 = time.perf_counter()
+                cos, sin = model.rotary_for(idx)(positions, model.dtype)
+                for scheme in self.schemes:
+                    effective = quantize_block(layer, model.config.family, calib, cos, sin, scheme,
+                                               self.config.method, PROFILE_AWQ)
+                    self.effective[(f"layers.{idx}", scheme.label)] = effective
+                    for unit in self._block_units(idx):
+                        if scheme.label in kl.get(unit.name, {}):
+                            continue
+                        names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
+                        swap = {f"model.layers.{idx}.{n}.weight": effective[n].weight() for n in names}
+                        with swapped_weights(model, swap):
+                            kl.setdefault(unit.name, {})[scheme.label] = probe.kl_from(idx)
+                        bar.update()
+                calib = layer(calib, cos, sin, 0, None)
+                self._timed("weights", t0)
+                self._save_partial()
+            head = [u for u in self.units if u.name == HEAD_UNIT]
+            if head:
+                t0 = time.perf_counter()
+                param = head[0].params[0]
+                weight = dict(model.named_parameters())[param]
+                for scheme in self.schemes:
+                    q = quantize_rtn(weight, scheme)
+                    self.effective[(HEAD_UNIT, scheme.label)] = {param: EffectiveWeight(q)}
+                    if scheme.label in kl.get(HEAD_UNIT, {}):
+                        continue
+                    with swapped_weights(model, {param: q.dequantize()}):
+                        kl.setdefault(HEAD_UNIT, {})[scheme.label] = probe.kl_full()
+                    bar.update()
+                self._timed("weights", t0)
+                self._save_partial()
+        bar.close()
+
+    def unit_weights(self, unit: WeightUnit, label: str) -> dict[str, torch.Tensor]:
+        """{param name: effective weight} of a unit under the scheme labelled `label`."""
+        if unit.name == HEAD_UNIT:
+            return {p: w.weight() for p, w in self.effective[(HEAD_UNIT, label)].items()}
+        effective = self.effective[(f"layers.{unit.layer}", label)]
+        names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
+        return {f"model.layers.{unit.layer}.{n}.weight": effective[n].weight() for n in names}
+
+    # --- KV cache -----------------------------------------------------------------------------------------
+    def _kv(self, probe: ReferenceProbe) -> None:
+        kl = self.data["kv"]["kl"]
+        layers = range(self.model.config.num_layers)
+        todo = sum(1 for i in layers for f in self.formats if f.label not in kl.get(str(i), {}))
+        bar = tqdm(total=todo, desc="profile KV", unit="layer", disable=None if self.progress else True,
+                   leave=False)
+        for i in layers:
+            t0 = time.perf_counter()
+            for scheme in self.formats:
+                if scheme.label in kl.get(str(i), {}):
+                    continue
+                kl.setdefault(str(i), {})[scheme.label] = probe.kl_with_kv(i, scheme)
+                bar.update()
+            self._timed("kv", t0)
+            self._save_partial()
+        bar.close()
+
+    def _kv_long(self) -> None:
+        """Every format in every layer on the long window; the scale from summed short-window costs to it."""
+        if self.data["kv"].get("long") is not None or self.text.long_window is None:
+            return
+        t0 = time.perf_counter()
+        probe = ReferenceProbe(self.model, self.text.long_window, self.config.kv_chunk, 4 * self.config.score_stride)
+        kl, scale = {}, {}
+        short = self.data["kv"]["kl"]
+        for scheme in tqdm(self.formats, desc="profile KV, long window", unit="format",
+                           disable=None if self.progress else True, leave=False):
+            kl[scheme.label] = probe.kl_full(KVPolicy(scheme))
+            summed = sum(short[str(i)][scheme.label] for i in range(self.model.config.num_layers))
+            # A format whose error is at the noise floor on both (fp16) keeps its short-window costs.
+            scale[scheme.label] = kl[scheme.label] / summed if summed > 1e-6 and kl[scheme.label] > 0 else 1.0
+        self.data["kv"]["long"] = {"tokens": int(self.text.long_window.shape[1]), "kl": kl, "scale": scale}
+        self._timed("kv", t0)
+        self._save_partial()
+
+    # --- additivity -----------------------------------------------------------------------------------------
+    def _additivity(self, weight_probe: ReferenceProbe, probe: ReferenceProbe) -> None:
+        """Weights-only assignments are measured on the tokens the weight units were, the others on whole
+        windows (the weight part of a joint prediction comes from the shorter windows)."""
+        n = self.config.additivity_samples
+        if n == 0 or self.data["additivity"] is not None:
+            return
+        t0 = time.perf_counter()
+        rng = random.Random(self.config.seed)
+        weight_kl, kv_kl = self.data["weights"]["kl"], self.data["kv"]["kl"]
+        # Options ordered from most to least precise, so a "level" picks a neighbourhood of them.
+        schemes = sorted(self.schemes, key=lambda s: -s.bits_per_weight(4096, 4096))
+        formats = sorted(self.formats, key=lambda f: -f.bits_per_element(self.model.config.head_dim))
+        samples = []
+        kinds = ("weights", "kv", "joint")
+        for k in tqdm(range(n), desc="profile additivity", unit="sample", disable=None if self.progress else True,
+                      leave=False):
+            kind = kinds[k % 3]
+            predicted = 0.0
+            swap: dict[str, torch.Tensor] = {}
+            policy = None
+            choice_w, choice_kv = {}, {}
+            if kind in ("weights", "joint"):
+                level = rng.random()
+                for unit in self.units:
+                    label = schemes[_pick(rng, level, len(schemes))].label
+                    choice_w[unit.name] = label
+                    predicted += weight_kl[unit.name][label]
+                    swap.update(self.unit_weights(unit, label))
+            if kind in ("kv", "joint"):
+                level = rng.random()
+                overrides = {}
+                for i in range(self.model.config.num_layers):
+                    scheme = formats[_pick(rng, level, len(formats))]
+                    overrides[i] = scheme
+                    choice_kv[str(i)] = scheme.label
+                    predicted += kv_kl[str(i)][scheme.label]
+                policy = KVPolicy(formats[0], overrides)
+            with swapped_weights(self.model, swap):
+                measured = (weight_probe if kind == "weights" else probe).kl_full(policy)
+            samples.append({"kind": kind, "predicted": predicted, "measured": measured,
+                            "weights": choice_w, "kv": choice_kv})
+        self.data["additivity"] = additivity_summary(samples)
+        self._timed("additivity", t0)
+        self._save_partial()
+
+
+def _pick(rng: random.Random, level: float, count: int) -> int:
+    """An option index near `level` (0 = most precise, 1 = least), spread by about one option."""
+    return min(count - 1, max(0, round(level * (count - 1) + rng.gauss(0, 1))))
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    if len(x) < 2:
+        return float("nan")
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def additivity_summary(samples: list[dict]) -> dict:
+    """Correlation of predicted (summed) against measured KL, overall and per kind of assignment."""
+    def stats(group: list[dict]) -> dict:
+        pred = [s["predicted"] for s in group]
+        meas = [s["measured"] for s in group]
+        logs = [(math.log(p), math.log(m)) for p, m in zip(pred, meas) if p > 0 and m > 0]
+        ratios = sorted(m / p for p, m in zip(pred, meas) if p > 0)
+        return {"samples": len(group), "pearson": pearson(pred, meas),
+                "spearman": pearson(_ranks(pred), _ranks(meas)),
+                "log_pearson": pearson([a for a, _ in logs], [b for _, b in logs]),
+                "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else float("nan")}
+
+    by_kind = {kind: stats([s for s in samples if s["kind"] == kind])
+               for kind in dict.fromkeys(s["kind"] for s in samples)}
+    return {**stats(samples), "by_kind": by_kind, "points": samples}
+
+
+def load_profile(path: Path, model=None) -> dict:
+    """A complete profile from `path`, checked for shape and (given the model) for being this model's."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PaperbackError(f"profile {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PaperbackError(f"profile {path} is unreadable or not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise PaperbackError(f"{path} is not a paperback profile")
+    if data.get("version") != PROFILE_VERSION:
+        raise PaperbackError(f"profile {path} has version {data.get('version')!r}; this paperback reads "
+                             f"{PROFILE_VERSION}")
+    if not data.get("complete"):
+        raise PaperbackError(f"profile {path} is incomplete (an interrupted run); run `paperback profile` again "
+                             "to resume it")
+    try:
+        units = {u["name"] for u in data["weights"]["units"]}
+        for table, keys in ((data["weights"]["kl"], units), (data["kv"]["kl"], None)):
+            if keys is not None and set(table) != keys:
+                raise KeyError("weights.kl does not cover every unit")
+            for options in table.values():
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in options.values()):
+                    raise ValueError("a sensitivity is not a finite number")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PaperbackError(f"profile {path} is malformed ({exc})") from None
+    if model is not None and data["model"].get("fingerprint") != model_fingerprint(model):
+        raise PaperbackError(f"profile {path} was measured on another model "
+                             f"({data['model'].get('label') or 'unknown'}); profile this one first")
+    return data

@@ -1,0 +1,94 @@
+"""One block's linears quantized under one scheme, kept as codes and mapped back to the block's own basis.
+
+A profile asks what quantizing one unit alone costs. AWQ folds its scales
+into the modules that feed each linear (norm weights, the rows of the linear
+before), so a block quantized under scheme A and one under scheme B have
+different norms and cannot be mixed unit by unit. Mapping each quantized
+weight back through its scales (columns divided by the scale AWQ multiplied
+them by, rows multiplied by the scale folded out of them) gives its
+*effective* weight in the unfolded block: any mix of units from different
+schemes is then the original block with those weights swapped in.
+Codes are kept (uint8) rather than fp32 weights, so every scheme of every
+block fits in memory at once for the additivity check.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paperback.errors import PaperbackError
+from paperback.quantization.awq import AWQConfig, awq_block, scale_groups
+from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
+from paperback.quantization.model_pass import BLOCK_LINEARS, INPUT_OF
+from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
+from paperback.quantization.scheme import QuantScheme
+
+
+@dataclass
+class EffectiveWeight:
+    """weight ~ diag(row_scale) @ dequantize(q) @ diag(1 / column_scale); scales None when 1."""
+
+    q: QuantizedWeight
+    column_scale: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.q.dequantize(torch.float32)
+        if self.column_scale is not None:
+            w = w / self.column_scale[None, :]
+        if self.row_scale is not None:
+            w = w * self.row_scale[:, None]
+        return w.to(dtype)
+
+
+def _capture_inputs(layer: nn.Module, x: torch.Tensor, cos, sin, names) -> dict[str, list[torch.Tensor]]:
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    hooks = [layer.get_submodule(name).register_forward_pre_hook(
+        lambda _m, args, name=name: captured[name].append(args[0])) for name in names]
+    try:
+        layer(x, cos, sin, 0, None)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+@torch.inference_mode()
+def quantize_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   scheme: QuantScheme, method: str, awq: AWQConfig | None = None,
+                   gptq: GPTQConfig | None = None) -> dict[str, EffectiveWeight]:
+    """Every linear of `layer` quantized by `method` under `scheme`, from its full-precision inputs x (N, L, C).
+
+    The layer itself is left unchanged (AWQ works on a copy).
+    """
+    if method == "rtn":
+        return {name: EffectiveWeight(quantize_rtn(layer.get_submodule(name).weight, scheme))
+                for name in BLOCK_LINEARS}
+    if method == "gptq":
+        readers = sorted({INPUT_OF.get(name, name) for name in BLOCK_LINEARS})
+        inputs = _capture_inputs(layer, x, cos, sin, readers)
+        hessians = {}
+        for name in readers:
+            acc = HessianAccumulator(layer.get_submodule(name).in_features)
+            for batch in inputs[name]:
+                acc.add_batch(batch)
+            hessians[name] = acc.H
+        return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight,
+                                                    hessians[INPUT_OF.get(name, name)], scheme,
+                                                    gptq or GPTQConfig()))
+                for name in BLOCK_LINEARS}
+    if method != "awq":
+        raise PaperbackError(f"unknown method '{method}' (choose from rtn, gptq, awq)")
+    work = copy.deepcopy(layer)
+    folded: dict[str, torch.Tensor] = {}
+    results = awq_block(work, family, x, cos, sin, list(BLOCK_LINEARS), scheme, awq or AWQConfig(), folded)
+    column = {}
+    for group in scale_groups(family, layer):
+        if group.prev in folded:
+            for name in group.linears:
+                column[name] = folded[group.prev]
+    return {name: EffectiveWeight(q, column.get(name), folded.get(name)) for name, q in results.items()}

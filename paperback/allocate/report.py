@@ -1,0 +1,209 @@
+"""A fit's report: one self-contained HTML file (plots embedded as PNG data, no external URL).
+
+Sections: the budget split, per-layer weight schemes and KV formats, where
+each layer's attention goes, predicted against measured quality (the
+profile's additivity check and the fitted model itself), and predicted
+quality against budget with the chosen point, the breakdown point and the
+margin kept above it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+
+from paperback.allocate.units import BLOCK_UNITS
+
+
+def _png(fig) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:,.1f} MiB"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _budget_plot(result: dict) -> str:
+    import matplotlib.pyplot as plt
+
+    a = result["allocation"]
+    parts = [("weights", a["weight_bytes"]), ("KV cache", a["kv_bytes"]), ("runtime", a["runtime_bytes"])]
+    fig, ax = plt.subplots(figsize=(7, 1.6))
+    left = 0.0
+    for (name, value), color in zip(parts, ("#4c72b0", "#dd8452", "#8c8c8c")):
+        ax.barh([0], [value / 2 ** 20], left=left, color=color, label=f"{name} {value / 2 ** 20:,.0f} MiB")
+        left += value / 2 ** 20
+    ax.axvline(a["budget"] / 2 ** 20, color="k", linestyle="--", label=f"budget {a['budget'] / 2 ** 20:,.0f} MiB")
+    ax.set_yticks([])
+    ax.set_xlabel("MiB")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def _layers_plot(result: dict, schemes: list[str], formats: list[str]) -> str:
+    import matplotlib.pyplot as plt
+
+    layers = result["layers"]
+    units = list(BLOCK_UNITS)
+    order = {label: i for i, label in enumerate(schemes)}
+    grid = [[order[row[u]] for row in layers] for u in units]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(6, len(layers) * 0.28), 3.6), sharex=True,
+                                  gridspec_kw={"height_ratios": [4, 1]})
+    image = ax.imshow(grid, aspect="auto", cmap="viridis_r", vmin=0, vmax=max(1, len(schemes) - 1))
+    ax.set_yticks(range(len(units)), units)
+    ax.set_title("weight scheme per unit (darker = fewer bits)")
+    bar = fig.colorbar(image, ax=[ax, ax2], ticks=range(len(schemes)))
+    bar.ax.set_yticklabels(schemes, fontsize=7)
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    kv_order = {label: i for i, label in enumerate(formats)}
+    colors = plt.get_cmap("tab10").colors[: len(formats)]
+    ax2.imshow([[kv_order[row["kv"]] for row in layers]], aspect="auto", cmap=ListedColormap(colors), vmin=-0.5,
+               vmax=len(formats) - 0.5)
+    ax2.set_yticks([0], ["KV"])
+    ax2.set_xlabel("layer")
+    ax2.legend(handles=[Patch(color=c, label=f) for c, f in zip(colors, formats)], loc="upper center",
+               bbox_to_anchor=(0.5, -0.9), ncol=min(len(formats), 7), fontsize=7, frameon=False)
+    return _png(fig)
+
+
+def _additivity_plot(additivity: dict, fitted: tuple[float, float] | None) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.8, 4.2))
+    colors = {"weights": "#4c72b0", "kv": "#dd8452", "joint": "#55a868"}
+    for kind, color in colors.items():
+        points = [p for p in additivity["points"] if p["kind"] == kind]
+        if points:
+            ax.scatter([p["predicted"] for p in points], [p["measured"] for p in points], s=18, color=color,
+                       label=f"{kind} (profile text)")
+    if fitted is not None:
+        ax.scatter([fitted[0]], [fitted[1]], marker="*", s=160, color="crimson", label="fitted model (held out)")
+    values = [p["predicted"] for p in additivity["points"]] + [p["measured"] for p in additivity["points"]]
+    positive = [v for v in values if v > 0]
+    if positive:
+        lo, hi = min(positive), max(positive)
+        ax.plot([lo, hi], [lo, hi], color="k", linewidth=0.8, label="measured = predicted")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("predicted KL (sum of unit costs)")
+    ax.set_ylabel("measured KL")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def _curve_plot(curve: list[dict], chosen: dict, breakdown: dict | None) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([p["memory"] / 2 ** 20 for p in curve], [p["predicted_kl"] for p in curve], marker=".",
+            label="best allocation (predicted)")
+    ax.scatter([chosen["memory"] / 2 ** 20], [chosen["predicted_kl"]], color="crimson", zorder=3, s=50,
+               label="chosen budget")
+    if breakdown is not None:
+        ax.axvline(breakdown["memory"] / 2 ** 20, color="gray", linestyle="--", label="breakdown point")
+    ax.set_yscale("log")
+    ax.set_xlabel("memory budget (MiB)")
+    ax.set_ylabel("predicted KL to the full model")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;
+text-align:right}th{background:#f2f2f2}img{max-width:100%}h2{margin-top:1.6em}.note{color:#555;font-size:13px}"""
+
+
+def render_report(result: dict, profile: dict) -> str:
+    """The report's HTML for a fit result (as `Fit.run` returns it) and the profile it used."""
+    a, w, q = result["allocation"], result["workload"], result["quality"]
+    e = q["eval"]
+    curve = result["curve"]
+    chosen = {"memory": w["memory"], "predicted_kl": a["predicted_kl"]}
+    breakdown = result.get("breakdown")
+    parts = [f"<h1>paperback fit: {html.escape(profile['model'].get('label') or 'model')}</h1>",
+             f"<p>{w['users']} user(s) x {w['context']:,} tokens in {_mib(w['memory'])}; profiled on "
+             f"{html.escape(str(profile['text']['source']))} (first {profile['text']['span']:.0%}, "
+             f"{profile['text']['profiled_tokens']:,} tokens), evaluated on the held-out rest.</p>",
+             "<h2>Budget split</h2>", f'<img src="{_budget_plot(result)}" alt="budget split">',
+             _table(["part", "bytes"], [["weights", _mib(a["weight_bytes"])], ["KV cache (all users)",
+                                                                              _mib(a["kv_bytes"])],
+                                        ["runtime allowance", _mib(a["runtime_bytes"])],
+                                        ["total", _mib(a["total_bytes"])], ["budget", _mib(a["budget"])]]),
+             "<h2>Quality on held-out text</h2>"]
+    rows = [["perplexity", f"{e['reference_perplexity']:.3f}", f"{e['perplexity']:.3f}"],
+            ["KL to the full model", "0", f"{e['kl_divergence']:.4f}"],
+            ["predicted KL (profile)", "", f"{q['predicted_kl']:.4f}"],
+            ["top-1 agreement", "1", f"{e['top1_agreement']:.3f}"]]
+    if "needles" in q:
+        n = q["needles"]
+        rows.append([f"needles at {n['length']:,} tokens", f"{sum(r['correct'] for r in n['full'])}/{len(n['full'])}",
+                     f"{sum(r['correct'] for r in n['fitted'])}/{len(n['fitted'])}"])
+    parts.append(_table(["", "full model", "fitted"], rows))
+    parts.append(f"<p class=note>{e['tokens_scored']:,} tokens scored in {e['windows']} window(s) of "
+                 f"{e['context']:,}.</p>")
+    parts += ["<h2>Per layer</h2>",
+              f'<img src="{_layers_plot(result, profile["weights"]["schemes"], profile["kv"]["specs"])}" '
+              'alt="per-layer choices">']
+    head = a["weights"].get("head")
+    token_layers = (result.get("tokens") or {}).get("layers") or []
+    header = ["layer", *BLOCK_UNITS, "KV format", "sink mass", "recent mass", "middle mass"]
+    table_rows = []
+    for row in result["layers"]:
+        t = token_layers[row["layer"]] if row["layer"] < len(token_layers) else {}
+        table_rows.append([row["layer"], *(row[u] for u in BLOCK_UNITS), row["kv"],
+                           *(f"{t[k]:.2f}" if k in t else "" for k in ("sink_mass", "recent_mass", "middle_mass"))])
+    parts.append(_table(header, table_rows))
+    if head:
+        tied = " (tied to the embedding)" if profile["model"]["config"].get("tie_word_embeddings") else ""
+        parts.append(f"<p>Output head{tied}: {html.escape(head)}. Weight bits over the allocated units: "
+                     f"{a['bits_per_weight']:.2f}.</p>")
+    parts.append("<p class=note>Token retention: every layer keeps all its tokens in this version; the attention "
+                 "mass columns (queries in the second half of a profiling window: first 4 tokens, last 128, the "
+                 "rest) show where retention could save more.</p>")
+    add = profile.get("additivity")
+    parts.append("<h2>Predicted against measured quality</h2>")
+    if add:
+        parts.append(f'<img src="{_additivity_plot(add, (q["predicted_kl"], e["kl_divergence"]))}" '
+                     'alt="additivity">')
+        rows = [["all", add["samples"], f"{add['pearson']:.3f}", f"{add['spearman']:.3f}",
+                 f"{add['median_measured_over_predicted']:.2f}"]]
+        rows += [[kind, s["samples"], f"{s['pearson']:.3f}", f"{s['spearman']:.3f}",
+                  f"{s['median_measured_over_predicted']:.2f}"] for kind, s in add["by_kind"].items()]
+        parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
+    else:
+        parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
+    parts += ["<h2>Quality against budget</h2>", f'<img src="{_curve_plot(curve, chosen, breakdown)}" alt="curve">']
+    if breakdown is not None:
+        margin = w["memory"] - breakdown["memory"]
+        parts.append(f"<p>Breakdown point (least memory with predicted KL at most {result['breakdown_kl']}): "
+                     f"{_mib(breakdown['memory'])}. Margin kept above it: {_mib(margin)} "
+                     f"({margin / w['memory']:.0%} of the budget).</p>")
+    else:
+        parts.append(f"<p>No budget on the curve keeps the predicted KL at most {result['breakdown_kl']}.</p>")
+    body = "\n".join(parts)
+    return f"<!doctype html><html><head><meta charset=utf-8><title>paperback fit</title><style>{STYLE}</style>" \
+           f"</head><body>{body}</body></html>"
+
+
+def write_report(result: dict, profile: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    path = Path(path)
+    path.write_text(render_report(result, profile), encoding="utf-8")
+    return path

@@ -1,0 +1,97 @@
+"""The multiple-choice knapsack: one option per group, least total cost, total bytes within a capacity.
+
+Solved exactly as a mixed-integer program (scipy's `milp`, the HiGHS
+solver): a binary x per option, one chosen per group, sum of bytes at most
+the capacity. With a few hundred groups of a handful of options each this
+takes well under a second, so no greedy shortcut is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from paperback.errors import PaperbackError
+
+
+@dataclass(frozen=True)
+class Option:
+    label: str
+    bytes: float
+    cost: float
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    options: tuple[Option, ...]
+
+    def cheapest(self) -> Option:
+        return min(self.options, key=lambda o: o.bytes)
+
+
+class InfeasibleBudget(PaperbackError):
+    """Even the smallest option of every group exceeds the capacity."""
+
+
+def min_bytes(groups: list[Group]) -> float:
+    return sum(g.cheapest().bytes for g in groups)
+
+
+def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
+    """{group name: chosen option} minimising total cost with total bytes <= capacity."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    if not groups:
+        return {}
+    if any(not g.options for g in groups):
+        raise PaperbackError("every group needs at least one option")
+    smallest = min_bytes(groups)
+    if smallest > capacity:
+        raise InfeasibleBudget(f"the smallest choice takes {smallest:,.0f} bytes, over the {capacity:,.0f} available")
+    options = [(gi, o) for gi, g in enumerate(groups) for o in g.options]
+    scale = max(1.0, max(o.bytes for _, o in options))
+    if smallest > capacity - 1e-6 * scale:  # within the solver's tolerance: only the smallest choice fits
+        return {g.name: g.cheapest() for g in groups}
+    n = len(options)
+    cost = np.array([o.cost for _, o in options], dtype=np.float64)
+    sizes = np.array([o.bytes for _, o in options], dtype=np.float64)
+    one_per_group = np.zeros((len(groups), n))
+    for j, (gi, _) in enumerate(options):
+        one_per_group[gi, j] = 1.0
+    # Bytes are scaled to keep the constraint well conditioned next to the 0/1 rows; HiGHS honours a row
+    # to about 1e-6 of its scale, so the bound is pulled in by that much to stay within the capacity.
+    constraints = [LinearConstraint(one_per_group, 1, 1),
+                   LinearConstraint(sizes[None, :] / scale, -np.inf, capacity / scale - 1e-6)]
+    with _quiet_stdout():
+        result = milp(cost, constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
+                      options={"mip_rel_gap": 0.0})
+    if result.status != 0 or result.x is None:
+        raise PaperbackError(f"the allocation solver failed: {result.message}")
+    chosen: dict[str, Option] = {}
+    for j, (gi, option) in enumerate(options):
+        if result.x[j] > 0.5:
+            chosen[groups[gi].name] = option
+    used = sum(o.bytes for o in chosen.values())
+    if len(chosen) != len(groups) or used > capacity:
+        # HiGHS honours constraints to a tolerance; a solution that breaks them is not one.
+        raise PaperbackError("the allocation solver returned an infeasible choice")
+    return chosen
+
+
+@contextmanager
+def _quiet_stdout():
+    """HiGHS prints some internal messages straight to file descriptor 1, which would corrupt `--json` output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

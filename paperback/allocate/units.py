@@ -1,0 +1,133 @@
+"""What an allocation chooses between: weight units with their candidate schemes, KV layers with their formats.
+
+A weight unit is the set of linears that must share a scheme: the ones that
+read one input and share AWQ's scale (q/k/v; gate/up), or stand alone (o,
+down), plus the output head (tied to the embedding on models that tie them).
+Every option's bytes are exact: packed codes, fp16 scales and zero points as
+`QuantLinear` stores them; unquantized tensors count at 16 bits, as the
+planner counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paperback.errors import PaperbackError
+from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme
+from paperback.models.config import ModelConfig
+from paperback.plan.planner import parse_weight_scheme
+from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM
+from paperback.quantization.packing import packed_row_bytes
+from paperback.quantization.scheme import QuantScheme
+
+# The block's units in the order they run; each a tuple of linear names inside the block.
+BLOCK_UNITS = {
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn_o": ("self_attn.o_proj",),
+    "mlp_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp_down": ("mlp.down_proj",),
+}
+HEAD_UNIT = "head"
+FULL_PRECISION_LABEL = "fp16"  # an unquantized option, counted at 16 bits
+DEFAULT_WEIGHT_SCHEMES = ("W8s-ch", "W4a-g128", "W4a-g64", "W3a-g128", "W3a-g64", "W2a-g64")
+DEFAULT_KV_FORMATS = ("fp16", "fp8", "int8", "int4", "kivi4", "kivi2", "pnmix")
+
+
+@dataclass(frozen=True)
+class WeightUnit:
+    name: str  # "layers.3.mlp_down" or "head"
+    layer: int | None  # None for the head
+    params: tuple[str, ...]  # parameter names of the linears it holds
+    shapes: tuple[tuple[int, int], ...]  # (out, in) of each
+
+    @property
+    def numel(self) -> int:
+        return sum(o * i for o, i in self.shapes)
+
+    def bytes_for(self, scheme: QuantScheme | None) -> int:
+        """Bytes the unit's weights take stored in `scheme` (None: unquantized, 16-bit)."""
+        if scheme is None:
+            return 2 * self.numel
+        return sum(quantized_bytes(scheme, o, i) for o, i in self.shapes)
+
+
+def quantized_bytes(scheme: QuantScheme, out_features: int, in_features: int) -> int:
+    """Exact bytes of a QuantLinear: packed codes, fp16 scales, packed zero points (asymmetric)."""
+    groups = scheme.num_groups(in_features)
+    codes = out_features * packed_row_bytes(in_features, scheme.bits)
+    zeros = 0 if scheme.symmetric else out_features * packed_row_bytes(groups, scheme.bits)
+    return codes + 2 * out_features * groups + zeros
+
+
+def weight_units(config: ModelConfig, include_head: bool = True) -> list[WeightUnit]:
+    h, d = config.hidden_size, config.head_dim
+    shapes = {"self_attn.q_proj": (config.num_heads * d, h), "self_attn.k_proj": (config.num_kv_heads * d, h),
+              "self_attn.v_proj": (config.num_kv_heads * d, h), "self_attn.o_proj": (h, config.num_heads * d),
+              "mlp.gate_proj": (config.intermediate_size, h), "mlp.up_proj": (config.intermediate_size, h),
+              "mlp.down_proj": (h, config.intermediate_size)}
+    units = []
+    for layer in range(config.num_layers):
+        for unit, linears in BLOCK_UNITS.items():
+            units.append(WeightUnit(f"layers.{layer}.{unit}", layer,
+                                    tuple(f"model.layers.{layer}.{n}.weight" for n in linears),
+                                    tuple(shapes[n] for n in linears)))
+    if include_head:
+        param = EMBED_PARAM if config.tie_word_embeddings else HEAD_PARAM
+        units.append(WeightUnit(HEAD_UNIT, None, (param,), ((config.vocab_size, h),)))
+    return units
+
+
+def fixed_weight_bytes(model, units: list[WeightUnit]) -> int:
+    """Bytes no allocation changes, at 16 bits: every parameter outside the units (norms, biases, an
+    untied embedding), each tensor counted once."""
+    allocated = {p for u in units for p in u.params}
+    seen: set[int] = set()
+    total = 0
+    for name, tensor in model.named_parameters():
+        if name in allocated or tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += 2 * tensor.numel()
+    return total
+
+
+def parse_weight_candidates(labels) -> list[QuantScheme]:
+    schemes = []
+    for label in labels:
+        scheme = parse_weight_scheme(label)
+        if isinstance(scheme, str):
+            raise PaperbackError(f"weight candidate '{label}' is not a quantization scheme (e.g. W4a-g128)")
+        schemes.append(scheme)
+    if not schemes:
+        raise PaperbackError("no weight schemes to choose from")
+    return schemes
+
+
+def parse_kv_candidates(specs, config: ModelConfig) -> list[KVScheme]:
+    formats = [parse_kv_scheme(spec) for spec in specs]
+    for scheme in formats:
+        scheme.check_head_dim(config.head_dim)
+        if scheme.family == "fp8" and scheme.scale == "calibrated":
+            raise PaperbackError("calibrated FP8 is not an allocation candidate yet: use fp8 (scale 1)")
+    if not formats:
+        raise PaperbackError("no KV formats to choose from")
+    return formats
+
+
+def kv_layer_bytes(scheme: KVScheme, config: ModelConfig, layer: int, context: int, block_size: int) -> float:
+    """Bytes one sequence of `context` tokens holds in one layer's paged cache."""
+    window = config.window_of(layer)
+    tokens = min(context, window) if window else context
+    channels = 2 * config.num_kv_heads * config.head_dim
+    return channels * scheme.paged_bits(tokens, config.head_dim, block_size) / 8
+
+
+def pool_block_size(formats: list[KVScheme]) -> int:
+    """One block size for every candidate, so each layer's bytes do not depend on the others' choices."""
+    return paged_block_size(formats)
+
+
+def bits_per_weight(units: list[WeightUnit], choice: dict[str, QuantScheme | None]) -> float:
+    total_bits = 8 * sum(u.bytes_for(choice[u.name]) for u in units)
+    return total_bits / math.fsum(u.numel for u in units)

@@ -1,0 +1,142 @@
+"""`paperback fit [MODEL] --memory 1GiB --context 8192 --users 8 [--text FILE] -o DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.output import note, print_json, print_table
+
+
+def register(sub) -> None:
+    from paperback.allocate.units import DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES
+
+    p = sub.add_parser("fit", help="fit a model into a memory budget: profile, allocate bits, quantize, evaluate",
+                       description="Given a memory budget and a workload (context x users), measure where bits "
+                                   "matter on your text (`paperback profile`, cached), choose each weight unit's "
+                                   "scheme and each layer's KV format to minimise the predicted KL within the "
+                                   "budget (an exact solve), quantize into one checkpoint that carries its KV "
+                                   "policy (so `serve DIR` and `eval DIR` use it with no flags), and evaluate it on "
+                                   "the held-out part of the text against the full model: perplexity, KL, needles.")
+    add_model_arg(p)
+    p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--memory", required=True, help="memory budget, like 1GiB or 800MB")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence the budget must hold")
+    p.add_argument("--users", type=int, default=1, help="sequences held at once (default 1)")
+    p.add_argument("--text", default="pydoc",
+                   help="your text (file or data set name): its first half is profiled and calibrated on, the "
+                        "rest is held out for evaluation (default: the Python documentation)")
+    p.add_argument("--method", choices=["awq", "gptq", "rtn"], default="awq", help="weight method (default awq)")
+    p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES), help="candidate weight schemes")
+    p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS), help="candidate KV formats")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a profile from `paperback profile` of this model to use instead of measuring one")
+    p.add_argument("--window-tokens", type=int, default=512, help="profiling window (default 512)")
+    p.add_argument("--weight-tokens", type=int, default=256, help="tokens weight units are profiled on")
+    p.add_argument("--additivity-samples", type=int, default=24, help="mixed assignments checked (default 24)")
+    p.add_argument("--calib-samples", type=int, default=16, help="calibration windows of the final quantization")
+    p.add_argument("--eval-context", type=int, default=1024, help="held-out evaluation window (default 1024)")
+    p.add_argument("--eval-windows", type=int, default=4, help="held-out evaluation windows (default 4)")
+    p.add_argument("--needle-depths", default="0.25,0.5,0.75",
+                   help="depths of the needles retrieved at the target context, comma-separated (default "
+                        "0.25,0.5,0.75)")
+    p.add_argument("--no-needles", action="store_true", help="skip needle retrieval at the target context")
+    p.add_argument("--breakdown-kl", type=float, default=0.5,
+                   help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
+    p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="profile cache (default ~/.cache/paperback/profiles)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    from paperback.errors import PaperbackError
+
+    try:
+        depths = tuple(float(part) for part in _split(text))
+    except ValueError:
+        raise PaperbackError(f"bad --needle-depths '{text}' (numbers in [0, 1], comma-separated)") from None
+    if not depths or not all(0 <= d <= 1 for d in depths):
+        raise PaperbackError(f"bad --needle-depths '{text}' (numbers in [0, 1], comma-separated)")
+    return depths
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.allocate.allocation import Workload
+    from paperback.allocate.fit import Fit, FitConfig
+    from paperback.allocate.profile import ProfileConfig
+    from paperback.allocate.report import write_report
+    from paperback.allocate.units import parse_weight_candidates
+    from paperback.cli.serve_cmd import parse_bytes
+    from paperback.evaluation.datasets import load_text
+    from paperback.loading import load_model
+
+    workload = Workload(parse_bytes(args.memory), args.context, args.users)
+    profile = ProfileConfig(args.method, _split(args.weight_schemes), _split(args.kv_formats),
+                            window_tokens=args.window_tokens, weight_tokens=args.weight_tokens,
+                            additivity_samples=args.additivity_samples)
+    parse_weight_candidates(profile.weight_schemes)
+    config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
+                       () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl)
+    text = load_text(args.text)
+    lm = load_model(args.model, "fp32")
+    fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)
+    reference = load_model(args.model, "fp32")
+    result = fit.run(reference)
+    tmp = args.output / f"fit.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, args.output / "fit.json")
+    report = args.report or args.output / "report.html"
+    tmp = report.with_name(report.name + f".tmp{os.getpid()}")
+    write_report(result, fit.profile, tmp)
+    os.replace(tmp, report)
+    result["report"] = str(report)
+    if args.json:
+        print_json(result)
+        return 0
+    _print(result)
+    note(f"checkpoint with its KV policy in {args.output}: `paperback serve {args.output}` or "
+         f"`paperback eval {args.output}` use both; report in {report}")
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2 ** 20:,.1f}"
+
+
+def _print(result: dict) -> None:
+    a = result["allocation"]
+    w = result["workload"]
+    print_table(f"budget {_mib(w['memory'])} MiB: {w['users']} user(s) x {w['context']} tokens",
+                ["part", "MiB"],
+                [["weights", _mib(a["weight_bytes"])], ["KV cache", _mib(a["kv_bytes"])],
+                 ["runtime", _mib(a["runtime_bytes"])], ["total", _mib(a["total_bytes"])],
+                 ["weight bits (allocated units)", f"{a['bits_per_weight']:.2f}"]])
+    q = result["quality"]
+    e = q["eval"]
+    rows = [["perplexity", f"{e['reference_perplexity']:.3f}", f"{e['perplexity']:.3f}"],
+            ["KL to full (nats/token)", "0", f"{e['kl_divergence']:.4f} (predicted {q['predicted_kl']:.4f})"],
+            ["top-1 agreement", "1", f"{e['top1_agreement']:.3f}"]]
+    if "needles" in q:
+        n = q["needles"]
+        rows.append([f"needles at {n['length']}", f"{sum(r['correct'] for r in n['full'])}/{len(n['full'])}",
+                     f"{sum(r['correct'] for r in n['fitted'])}/{len(n['fitted'])}"])
+    print_table(f"held-out text ({e['tokens_scored']} tokens scored at context {e['context']})",
+                ["", "full model", "fitted"], rows)
+    layers = result["layers"]
+    cols = [k for k in layers[0] if k != "layer"]
+    head = result["allocation"]["weights"].get("head")
+    print_table("per layer" + (f" (head: {head})" if head else ""), ["layer", *cols],
+                [[row["layer"], *(row[c] for c in cols)] for row in layers])
+    add = result.get("additivity")
+    if add:
+        note(f"additivity check: predicted vs measured KL over {add['samples']} mixed assignments, Pearson "
+             f"{add['pearson']:.3f}, Spearman {add['spearman']:.3f}")

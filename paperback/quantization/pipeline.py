@@ -1,0 +1,43 @@
+"""Quantize a loaded model and write it as a checkpoint: what `quantize` and `fit` both do."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
+from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, quantize_model
+
+
+def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationConfig | None, out_dir: Path,
+                           overwrite: bool = False, progress: bool = True, extra_recipe: dict | None = None) -> dict:
+    """Quantize lm.model in place (packed layers swapped in), save it to out_dir; returns a summary.
+
+    calibration: the samples GPTQ and AWQ read (None for RTN). extra_recipe: more
+    recipe entries (a fitted checkpoint's KV policy and allocation).
+    """
+    batch = calibration_batch(lm.tokenizer, calibration) if config.method != "rtn" else None
+    start = time.perf_counter()
+    quantized = quantize_model(lm.model, config, batch, progress=progress)
+    seconds = time.perf_counter() - start
+    swap_in_quantized(lm.model, quantized)
+    forward_dtype = "bf16" if autocast_dtype(config, lm.model.device) else "fp32"
+    recipe = {
+        "source_model": str(lm.source.path),
+        "method": config.method,
+        "scheme": config.scheme.to_dict() if not config.layer_schemes else None,
+        "gptq": {**asdict(config.gptq), "forward_dtype": forward_dtype} if config.method == "gptq" else None,
+        "awq": config.awq.to_dict() if config.method == "awq" else None,
+        "modules": list(config.targets),
+        "calibration": calibration.to_dict() if batch is not None else None,
+        "quantize_seconds": seconds,
+        "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
+        **(extra_recipe or {}),
+    }
+    save_checkpoint(lm.model, lm.tokenizer, recipe, out_dir, overwrite=overwrite)
+    q_bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())
+    q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
+    return {"output": str(out_dir), "method": config.method, "scheme": config.label, "layers": len(quantized),
+            "bits_per_weight": q_bits / q_weights, "seconds": seconds}

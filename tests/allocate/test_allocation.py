@@ -1,0 +1,97 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from paperback.allocate.allocation import Allocator, Workload
+from paperback.allocate.profile import ProfileConfig, Profiler
+from paperback.allocate.solver import InfeasibleBudget
+from paperback.kv.policy import build_policy
+from paperback.plan.arithmetic import kv_bytes
+from paperback.plan.shape import shape_from_config
+
+from test_profile import sample_text
+
+CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W4a-g64", "W2a-g64"),
+                       kv_formats=("fp16", "int8:r=32", "kivi2:r=32"), windows=1, window_tokens=128,
+                       weight_tokens=64, calib_samples=1, additivity_samples=0)
+
+
+@pytest.fixture
+def profile(tiny_lm, char_tokenizer, tmp_path):
+    return Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path,
+                    progress=False).run()
+
+
+def smallest_and_largest(allocator):
+    groups = allocator.weight_groups() + allocator.kv_groups()
+    low = sum(min(o.bytes for o in g.options) for g in groups)
+    high = sum(max(o.bytes for o in g.options) for g in groups)
+    return allocator.runtime + allocator.fixed_bytes + low, allocator.runtime + allocator.fixed_bytes + high
+
+
+def test_allocation_fits_the_budget_and_improves_with_it(profile, tiny_lm):
+    probe = Allocator(profile, tiny_lm.model, Workload(10 ** 12, 256, 4))
+    low, high = smallest_and_largest(probe)
+    previous = None
+    for fraction in (0.0, 0.2, 0.5, 0.8, 1.0):
+        budget = int(low + fraction * (high - low))
+        allocation = Allocator(profile, tiny_lm.model, Workload(budget, 256, 4)).allocate()
+        assert allocation.total_bytes <= budget
+        if previous is not None:
+            assert allocation.predicted_kl <= previous + 1e-12
+        previous = allocation.predicted_kl
+    assert set(allocation.weights.values()) == {"W8s-ch"}  # all the room it wants: the best everywhere
+    assert set(allocation.kv.values()) <= {"fp16", "int8:r=32"}
+
+
+def test_kv_bytes_agree_with_the_planner(profile, tiny_lm, tmp_path):
+    """The allocator's per-layer KV bytes sum to what the planner counts for the chosen policy."""
+    low, high = smallest_and_largest(Allocator(profile, tiny_lm.model, Workload(10 ** 12, 300, 3)))
+    allocation = Allocator(profile, tiny_lm.model, Workload(int((low + high) / 2), 300, 3)).allocate()
+    assert len(set(allocation.kv.values())) > 1  # a real mix, so the per-layer sum is exercised
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text(json.dumps(allocation.kv_policy_spec()))
+    policy = build_policy(tiny_lm.config, policy_file=policy_file)
+    assert [policy.scheme_for(i).label for i in range(2)] == [
+        {"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[allocation.kv[i]] for i in range(2)]
+    planned = kv_bytes(shape_from_config(tiny_lm.config, "tiny", ""), 300, policy, users=3, block_size=32)
+    assert allocation.kv_bytes == pytest.approx(planned)
+
+
+def test_restricted_options_are_the_uniform_baseline(profile, tiny_lm):
+    low, high = smallest_and_largest(Allocator(profile, tiny_lm.model, Workload(10 ** 12, 256, 2)))
+    allocator = Allocator(profile, tiny_lm.model, Workload(high, 256, 2))
+    uniform = allocator.allocate({"W4a-g64"}, {"int8:r=32"})
+    assert set(uniform.weights.values()) == {"W4a-g64"} and set(uniform.kv.values()) == {"int8:r=32"}
+    assert allocator.allocate().predicted_kl <= uniform.predicted_kl
+
+
+def test_a_budget_below_the_smallest_model_names_the_nearest_feasible_point(profile, tiny_lm):
+    low, _ = smallest_and_largest(Allocator(profile, tiny_lm.model, Workload(10 ** 12, 256, 4)))
+    with pytest.raises(InfeasibleBudget, match=r"Nearest feasible: --memory [\d,.]+MiB, or --users \d"):
+        Allocator(profile, tiny_lm.model, Workload(low - 1, 256, 4)).allocate()
+
+
+def test_check_budget_refuses_before_any_profile(tiny_lm):
+    from paperback.allocate.allocation import check_budget
+
+    specs = ("fp16", "kivi2:r=32")
+    check_budget(tiny_lm.model, Workload(2 ** 30, 256, 1), ("W4a-g64",), specs)
+    with pytest.raises(InfeasibleBudget, match="cannot hold 1000 user"):
+        check_budget(tiny_lm.model, Workload(310 * 2 ** 20, 512, 1000), ("W4a-g64",), specs)
+
+
+def test_the_shipped_profile_is_the_bundled_models_and_allocates_quietly(smollm2, capfd):
+    """The profile shipped for SmolLM2 matches its weights; the solve prints nothing (fit --json stays JSON)."""
+    from importlib import resources
+
+    from paperback.allocate.profile import load_profile
+
+    shipped = [p for p in resources.files("paperback.data").joinpath("profiles").iterdir() if p.name.endswith(".json")]
+    assert shipped
+    profile = load_profile(Path(str(shipped[0])), smollm2.model)
+    capfd.readouterr()
+    allocation = Allocator(profile, smollm2.model, Workload(800 * 2 ** 20, 8192, 8)).allocate()
+    assert capfd.readouterr().out == ""
+    assert allocation.total_bytes <= 800 * 2 ** 20 and len(set(allocation.weights.values())) > 1

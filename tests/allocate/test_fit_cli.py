@@ -1,0 +1,102 @@
+"""`paperback profile` and `paperback fit` end to end on a tiny model with a real tokenizer."""
+
+import json
+
+import pytest
+
+from helpers import tiny_llama_hf
+from paperback.cli import main
+
+SMALL = ["--method", "rtn", "--weight-schemes", "W8s-ch,W4a-g64,W2a-g64", "--kv-formats", "fp16,int8:r=32,kivi2:r=32",
+         "--window-tokens", "128", "--weight-tokens", "64", "--additivity-samples", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2):
+    """A random two-layer Llama with SmolLM2's tokenizer, as a Hugging Face directory."""
+    path = tmp_path_factory.mktemp("tiny_hf")
+    hf = tiny_llama_hf(vocab_size=smollm2.config.vocab_size, hidden_size=128, intermediate_size=192,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       tie_word_embeddings=True)
+    hf.save_pretrained(path, safe_serialization=True)
+    smollm2.tokenizer.hf.save_pretrained(path)
+    return path
+
+
+def test_profile_cli_writes_a_complete_profile(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", str(tiny_dir), "-o", str(out), "--cache-dir", str(tmp_path / "cache"), *SMALL]) == 0
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["weights"]["kl"]["head"]["W2a-g64"] > 0
+    assert "additivity" in capsys.readouterr().err
+
+
+def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "fitted"
+    argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--users", "2",
+            "--cache-dir", str(tmp_path / "cache"), "--eval-context", "128", "--eval-windows", "2", *SMALL,
+            "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["kv_policy"] == result["allocation"]["kv_policy"]
+    assert json.loads((out / "fit.json").read_text())["allocation"] == result["allocation"]
+    assert result["allocation"]["total_bytes"] <= 400 * 2 ** 20
+    # Every layer's scheme in the checkpoint is the one allocated to its unit.
+    units = {p: u["name"] for u in json.load(open(tmp_path / "cache" / (result["profile"]["key"] + ".json")))[
+        "weights"]["units"] for p in u["params"]}
+    for param, layer in recipe["layers"].items():
+        label = result["allocation"]["weights"][units[param]]
+        assert layer["scheme"]["bits"] == int(label[1])
+    q = result["quality"]
+    assert q["eval"]["kl_divergence"] > 0 and q["eval"]["tokens_scored"] == 2 * 127
+    assert len(q["needles"]["fitted"]) == 3
+    # plan counts the checkpoint's weights and its KV policy as the allocation did.
+    assert main(["plan", str(out), "--memory", "400MiB", "--context", "256", "--users", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["kv"] == "this checkpoint's KV policy" and "this checkpoint" in row["weights"]
+    assert row["weight_bytes"] == result["allocation"]["weight_bytes"]  # to the byte
+    assert 0.9 * result["allocation"]["kv_bytes"] <= row["kv_bytes_at_context"] <= result["allocation"]["kv_bytes"]
+    # eval on the checkpoint with no KV flags reads through the fitted policy.
+    assert main(["eval", str(out), "--data", "pydoc", "--context", "128", "--max-windows", "1", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["kv"]["from_checkpoint"] and evaluated["kv"]["layers"] == [
+        {"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[result["allocation"]["kv"][str(i)]]
+        for i in range(2)]
+
+
+def test_fit_refuses_a_budget_below_the_smallest_model_before_work(tiny_dir, tmp_path, capsys):
+    code = main(["fit", str(tiny_dir), "-o", str(tmp_path / "x"), "--memory", "100MiB", "--context", "256",
+                 "--cache-dir", str(tmp_path / "cache"), *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2 and "Nearest feasible: --memory" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "x").exists()
+
+
+def test_fit_refuses_tiny_text(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "tiny.txt"
+    text.write_text("Only a few words here.")
+    code = main(["fit", str(tiny_dir), "-o", str(tmp_path / "x"), "--memory", "1GiB", "--context", "256",
+                 "--text", str(text), *SMALL])
+    assert code == 2 and "tokens" in capsys.readouterr().err
+
+
+def test_profile_refuses_an_unknown_model(tmp_path, capsys):
+    code = main(["profile", str(tmp_path / "nope.gguf"), "-o", str(tmp_path / "p.json")])
+    assert code == 2 and "not found" in capsys.readouterr().err
+
+
+def test_fit_report_is_self_contained(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "fitted"
+    argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--no-needles",
+            "--cache-dir", str(tmp_path / "cache"), "--eval-context", "128", "--eval-windows", "1", *SMALL]
+    assert main(argv) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 4
+    for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
+                    "Breakdown point", "Pearson"):
+        assert section in page
+    # Nothing is fetched from elsewhere: no URL other than the embedded images.
+    import re
+
+    assert not re.search(r"(src|href)=\"(?!data:)", page) and "http://" not in page and "https://" not in page

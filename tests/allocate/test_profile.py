@@ -1,0 +1,140 @@
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from paperback.allocate.probe import ReferenceProbe
+from paperback.allocate.profile import (ProfileConfig, Profiler, additivity_summary, load_profile, split_text)
+from paperback.allocate.token_importance import token_importance
+from paperback.errors import DatasetError, PaperbackError
+
+CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W2a-g64"), kv_formats=("fp16", "kivi2:r=32"),
+                       windows=1, window_tokens=128, weight_tokens=64, calib_samples=1, additivity_samples=6)
+
+
+def sample_text(n=3000, seed=0):
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghij klmnop,.") for _ in range(n))
+
+
+@pytest.fixture
+def profiler(tiny_lm, char_tokenizer, tmp_path):
+    return Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+                    progress=False, model_label="tiny")
+
+
+def test_profile_measures_every_unit_layer_and_assignment(profiler):
+    data = profiler.run()
+    assert data["complete"]
+    kl = data["weights"]["kl"]
+    assert set(kl) == {u["name"] for u in data["weights"]["units"]}
+    for unit, options in kl.items():
+        assert options["W2a-g64"] > options["W8s-ch"] >= -1e-5, unit  # fewer bits cost more
+    kv = data["kv"]["kl"]
+    assert set(kv) == {"0", "1"}
+    for options in kv.values():
+        assert options["kivi2"] > 10 * abs(options["fp16"])
+    long = data["kv"]["long"]
+    assert long["tokens"] == 512  # capped at the tiny model's positions
+    assert long["kl"]["kivi2"] > 0 and set(long["scale"]) == {"fp16", "kivi2"}
+    add = data["additivity"]
+    assert add["samples"] == 6 and len(add["points"]) == 6
+    assert {p["kind"] for p in add["points"]} == {"weights", "kv", "joint"}
+    for layer in data["tokens"]["layers"]:
+        assert sum(layer["mass_by_position"]) == pytest.approx(1.0, abs=1e-4)
+        assert layer["sink_mass"] + layer["recent_mass"] + layer["middle_mass"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_unit_alone_measured_from_its_block_equals_a_whole_forward(profiler, tiny_lm):
+    """kl_from(i) with weights swapped in is the KL of the whole model run from the start."""
+    windows = profiler.text.windows
+    probe = ReferenceProbe(tiny_lm.model, windows, score_stride=2)
+    assert probe.kl_from(0) == pytest.approx(0.0, abs=1e-6)
+    layer = tiny_lm.model.model.layers[1].mlp.down_proj
+    layer.weight.data = layer.weight + 0.05 * torch.randn_like(layer.weight)
+    assert probe.kl_from(1) == pytest.approx(probe.kl_full(), rel=1e-4)
+    assert probe.kl_from(1) > 1e-4
+
+
+def test_interrupted_profile_resumes_and_never_looks_complete(profiler, tiny_lm, char_tokenizer, tmp_path,
+                                                              monkeypatch):
+    def interrupt(self, probe):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Profiler, "_kv", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        profiler.run()
+    partial = json.loads(profiler.partial_path.read_text())
+    assert not partial["complete"] and not profiler.complete_path.exists()
+    assert len(partial["weights"]["kl"]) == len(partial["weights"]["units"])
+    with pytest.raises(PaperbackError, match="incomplete"):
+        load_profile(profiler.partial_path)
+    monkeypatch.undo()
+    calls = []
+    original = ReferenceProbe.kl_from
+    monkeypatch.setattr(ReferenceProbe, "kl_from", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+                     progress=False)
+    data = again.run()
+    # Only the KV layers were left to measure (one kl_from per layer and format); weights were kept.
+    assert len(calls) == 2 * 2 and data["complete"]
+    assert not again.partial_path.exists()
+    reused = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+                      progress=False).run()
+    assert reused["reused_from_cache"] and reused["weights"] == data["weights"]
+
+
+def test_text_too_short_is_refused_before_work(tiny_lm, char_tokenizer, tmp_path):
+    with pytest.raises(DatasetError, match="needs at least 256 tokens"):
+        Profiler(tiny_lm.model, char_tokenizer, sample_text(200), "short", CONFIG, tmp_path, progress=False)
+    with pytest.raises(DatasetError):
+        split_text([], CONFIG)
+
+
+def test_load_profile_refuses_bad_files(profiler, tmp_path, tiny_gguf):
+    from helpers import tiny_llama_hf, write_llama_gguf
+    from paperback.loading import load_model
+
+    data = profiler.run()
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(data))
+    assert load_profile(good)["complete"]
+    cases = {"missing.json": None, "garbage.json": "{not json", "other.json": json.dumps({"format": "x"}),
+             "truncated.json": json.dumps(data)[:500]}
+    broken = json.loads(json.dumps(data))
+    del broken["weights"]["kl"]["head"]
+    cases["hole.json"] = json.dumps(broken)
+    nan = json.loads(json.dumps(data))
+    nan["kv"]["kl"]["0"]["fp16"] = math.nan
+    cases["nan.json"] = json.dumps(nan)
+    for name, content in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(PaperbackError):
+            load_profile(path)
+    other = load_model(str(write_llama_gguf(tiny_llama_hf(num_hidden_layers=3, hidden_size=128,
+                                                          max_position_embeddings=512, intermediate_size=192),
+                                            tmp_path / "other.gguf")), with_tokenizer=False)
+    with pytest.raises(PaperbackError, match="another model"):
+        load_profile(good, other.model)
+
+
+def test_additivity_summary_of_exact_predictions():
+    points = [{"kind": "weights", "predicted": x, "measured": 2 * x} for x in (0.1, 0.2, 0.4, 0.8)]
+    summary = additivity_summary(points)
+    assert summary["pearson"] == pytest.approx(1.0) and summary["spearman"] == pytest.approx(1.0)
+    assert summary["median_measured_over_predicted"] == pytest.approx(2.0)
+
+
+def test_token_importance_finds_a_sink(tiny_lm):
+    """A key that every query matches strongly draws the mass: forcing the first token's key large."""
+    model = tiny_lm.model
+    windows = torch.randint(0, 256, (1, 96))
+    layers = token_importance(model, windows, sinks=4, recent=16)
+    assert len(layers) == 2
+    for layer in layers:
+        assert 0 <= layer["heavy_hitter_share"] <= 1
+        assert layer["middle_mass"] > 0  # a random model spreads its attention

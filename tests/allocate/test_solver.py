@@ -1,0 +1,63 @@
+import itertools
+import random
+
+import pytest
+
+from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
+
+
+def brute_force(groups, capacity):
+    best = None
+    for combo in itertools.product(*(g.options for g in groups)):
+        size = sum(o.bytes for o in combo)
+        cost = sum(o.cost for o in combo)
+        if size <= capacity and (best is None or cost < best[0] - 1e-12):
+            best = (cost, combo)
+    return best
+
+
+def random_groups(rng, n_groups, n_options):
+    groups = []
+    for g in range(n_groups):
+        opts = []
+        for o in range(n_options):
+            size = rng.randint(1, 100) * 1000
+            opts.append(Option(f"o{o}", size, rng.random() * 10 / (size / 1000)))
+        groups.append(Group(f"g{g}", tuple(opts)))
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solve_matches_brute_force(seed):
+    rng = random.Random(seed)
+    groups = random_groups(rng, rng.randint(2, 5), rng.randint(2, 4))
+    low = sum(min(o.bytes for o in g.options) for g in groups)
+    high = sum(max(o.bytes for o in g.options) for g in groups)
+    capacity = low + rng.random() * (high - low)
+    chosen = solve(groups, capacity)
+    cost = sum(o.cost for o in chosen.values())
+    assert sum(o.bytes for o in chosen.values()) <= capacity
+    assert cost == pytest.approx(brute_force(groups, capacity)[0], rel=1e-9, abs=1e-9)
+
+
+def test_more_capacity_never_costs_more():
+    groups = random_groups(random.Random(7), 40, 6)
+    low = sum(min(o.bytes for o in g.options) for g in groups)
+    costs = [sum(o.cost for o in solve(groups, low * f).values()) for f in (1.0, 1.3, 1.8, 3.0, 100.0)]
+    assert all(a >= b - 1e-9 for a, b in zip(costs, costs[1:]))
+    # With room for everything, every group takes its cheapest-cost option.
+    assert costs[-1] == pytest.approx(sum(min(o.cost for o in g.options) for g in groups))
+
+
+def test_exactly_the_smallest_fits():
+    groups = random_groups(random.Random(3), 5, 3)
+    low = sum(min(o.bytes for o in g.options) for g in groups)
+    chosen = solve(groups, low)
+    assert sum(o.bytes for o in chosen.values()) == low
+
+
+def test_infeasible_budget_is_refused():
+    groups = random_groups(random.Random(1), 3, 3)
+    low = sum(min(o.bytes for o in g.options) for g in groups)
+    with pytest.raises(InfeasibleBudget):
+        solve(groups, low - 1)
