@@ -49,6 +49,11 @@ def held_out_tokens(token_ids: list[int], config: FitConfig) -> list[int]:
     return rest
 
 
+def needle_score(results: list[dict]) -> str:
+    """'k/n': how many of the needle cases were answered correctly."""
+    return f"{sum(r['correct'] for r in results)}/{len(results)}"
+
+
 class Fit:
     """One fit run. Checks everything it can (budget, text, profile) before any long step."""
 

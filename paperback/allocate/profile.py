@@ -176,7 +176,8 @@ class Profiler:
             "weights": {"units": [{"name": u.name, "layer": u.layer, "params": list(u.params),
                                    "shapes": [list(s) for s in u.shapes]} for u in self.units],
                         "schemes": [s.label for s in self.schemes], "kl": {}},
-            "kv": {"formats": [f.label for f in self.formats], "specs": list(config.kv_formats), "kl": {}, "long": None},
+            "kv": {"formats": [f.label for f in self.formats], "specs": list(config.kv_formats), "kl": {},
+                   "long": None},
             "tokens": None, "additivity": None, "seconds": {},
         }
         self.effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = {}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from paperback.errors import PaperbackError
-from paperback.quantization.awq import AWQConfig, awq_block, scale_groups
+from paperback.quantization.awq import AWQConfig, awq_block, capture_inputs, scale_groups
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
 from paperback.quantization.model_pass import BLOCK_LINEARS, INPUT_OF
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
@@ -45,18 +45,6 @@ class EffectiveWeight:
         return w.to(dtype)
 
 
-def _capture_inputs(layer: nn.Module, x: torch.Tensor, cos, sin, names) -> dict[str, list[torch.Tensor]]:
-    captured: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    hooks = [layer.get_submodule(name).register_forward_pre_hook(
-        lambda _m, args, name=name: captured[name].append(args[0])) for name in names]
-    try:
-        layer(x, cos, sin, 0, None)
-    finally:
-        for h in hooks:
-            h.remove()
-    return captured
-
-
 @torch.inference_mode()
 def quantize_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    scheme: QuantScheme, method: str, awq: AWQConfig | None = None,
@@ -70,12 +58,11 @@ def quantize_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Te
                 for name in BLOCK_LINEARS}
     if method == "gptq":
         readers = sorted({INPUT_OF.get(name, name) for name in BLOCK_LINEARS})
-        inputs = _capture_inputs(layer, x, cos, sin, readers)
+        inputs = capture_inputs(layer, x, cos, sin, readers)
         hessians = {}
         for name in readers:
             acc = HessianAccumulator(layer.get_submodule(name).in_features)
-            for batch in inputs[name]:
-                acc.add_batch(batch)
+            acc.add_batch(inputs[name])
             hessians[name] = acc.H
         return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight,
                                                     hessians[INPUT_OF.get(name, name)], scheme,

@@ -14,6 +14,7 @@ import html
 import io
 from pathlib import Path
 
+from paperback.allocate.fit import needle_score
 from paperback.allocate.units import BLOCK_UNITS
 
 
@@ -151,8 +152,7 @@ def render_report(result: dict, profile: dict) -> str:
             ["top-1 agreement", "1", f"{e['top1_agreement']:.3f}"]]
     if "needles" in q:
         n = q["needles"]
-        rows.append([f"needles at {n['length']:,} tokens", f"{sum(r['correct'] for r in n['full'])}/{len(n['full'])}",
-                     f"{sum(r['correct'] for r in n['fitted'])}/{len(n['fitted'])}"])
+        rows.append([f"needles at {n['length']:,} tokens", needle_score(n["full"]), needle_score(n["fitted"])])
     parts.append(_table(["", "full model", "fitted"], rows))
     parts.append(f"<p class=note>{e['tokens_scored']:,} tokens scored in {e['windows']} window(s) of "
                  f"{e['context']:,}.</p>")

@@ -113,6 +113,8 @@ def _mib(n: float) -> str:
 
 
 def _print(result: dict) -> None:
+    from paperback.allocate.fit import needle_score
+
     a = result["allocation"]
     w = result["workload"]
     print_table(f"budget {_mib(w['memory'])} MiB: {w['users']} user(s) x {w['context']} tokens",
@@ -127,8 +129,7 @@ def _print(result: dict) -> None:
             ["top-1 agreement", "1", f"{e['top1_agreement']:.3f}"]]
     if "needles" in q:
         n = q["needles"]
-        rows.append([f"needles at {n['length']}", f"{sum(r['correct'] for r in n['full'])}/{len(n['full'])}",
-                     f"{sum(r['correct'] for r in n['fitted'])}/{len(n['fitted'])}"])
+        rows.append([f"needles at {n['length']}", needle_score(n["full"]), needle_score(n["fitted"])])
     print_table(f"held-out text ({e['tokens_scored']} tokens scored at context {e['context']})",
                 ["", "full model", "fitted"], rows)
     layers = result["layers"]

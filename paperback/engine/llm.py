@@ -257,11 +257,16 @@ class LLM:
     LLM("smollm2", kv="fp16", kv_memory=2 * 2**30).generate(["Hello"], SamplingParams(max_tokens=32))
     """
 
-    def __init__(self, model="smollm2", dtype: str = "fp32", kv: str = "fp32", kv_memory: int | None = 2 ** 30,
-                 **engine_args):
+    def __init__(self, model="smollm2", dtype: str = "fp32", kv: str | KVPolicy | None = None,
+                 kv_memory: int | None = 2 ** 30, **engine_args):
+        """kv: a format or policy; None: the policy a fitted checkpoint carries, else fp32."""
         from paperback.loading import LoadedModel, load_model
+        from paperback.quantization.checkpoint import checkpoint_kv_policy
 
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype)
+        if kv is None:
+            fitted = checkpoint_kv_policy(lm.source.path)
+            kv = build_policy(lm.config, spec=fitted) if fitted else "fp32"
         self.engine = LLMEngine(lm, kv=kv, kv_memory=kv_memory, **engine_args)
         self.tokenizer = lm.tokenizer
 

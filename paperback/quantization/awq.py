@@ -190,7 +190,7 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
     """
     schemes = scheme if isinstance(scheme, dict) else {name: scheme for name in targets}
     groups = scale_groups(family, layer)
-    inputs = _capture_inputs(layer, x, cos, sin, [g.linears[0] for g in groups])
+    inputs = capture_inputs(layer, x, cos, sin, [g.linears[0] for g in groups])
     for group in groups:
         if not any(name in targets for name in group.linears):
             continue
@@ -226,7 +226,7 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
     if config.clip:
         # Inputs again: the folds divided them by s. q and k are left unclipped, as in AWQ:
         # their errors pass through the softmax, which a per-layer output error does not see.
-        inputs = _capture_inputs(layer, x, cos, sin, quantized_names)
+        inputs = capture_inputs(layer, x, cos, sin, quantized_names)
         for name in quantized_names:
             if name.endswith(("q_proj", "k_proj")):
                 continue
@@ -242,7 +242,7 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
     return results
 
 
-def _capture_inputs(layer: nn.Module, x: torch.Tensor, cos, sin, names: list[str]) -> dict[str, torch.Tensor]:
+def capture_inputs(layer: nn.Module, x: torch.Tensor, cos, sin, names: list[str]) -> dict[str, torch.Tensor]:
     """The input each named linear sees when the block runs on x."""
     captured: dict[str, torch.Tensor] = {}
     hooks = [layer.get_submodule(name).register_forward_pre_hook(

@@ -23,19 +23,24 @@ def tiny_dir(tmp_path_factory, smollm2):
     return path
 
 
-def test_profile_cli_writes_a_complete_profile(tiny_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One profile cache for the module: the first command profiles, the others reuse it."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+def test_profile_cli_writes_a_complete_profile(tiny_dir, tmp_path, cache, capsys):
     out = tmp_path / "profile.json"
-    assert main(["profile", str(tiny_dir), "-o", str(out), "--cache-dir", str(tmp_path / "cache"), *SMALL]) == 0
+    assert main(["profile", str(tiny_dir), "-o", str(out), "--cache-dir", str(cache), *SMALL]) == 0
     data = json.loads(out.read_text())
     assert data["complete"] and data["weights"]["kl"]["head"]["W2a-g64"] > 0
     assert "additivity" in capsys.readouterr().err
 
 
-def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_path, capsys):
+def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_path, cache, capsys):
     out = tmp_path / "fitted"
     argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--users", "2",
-            "--cache-dir", str(tmp_path / "cache"), "--eval-context", "128", "--eval-windows", "2", *SMALL,
-            "--json"]
+            "--cache-dir", str(cache), "--eval-context", "128", "--eval-windows", "2", *SMALL, "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     recipe = json.loads((out / "recipe.json").read_text())
@@ -43,7 +48,7 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
     assert json.loads((out / "fit.json").read_text())["allocation"] == result["allocation"]
     assert result["allocation"]["total_bytes"] <= 400 * 2 ** 20
     # Every layer's scheme in the checkpoint is the one allocated to its unit.
-    units = {p: u["name"] for u in json.load(open(tmp_path / "cache" / (result["profile"]["key"] + ".json")))[
+    units = {p: u["name"] for u in json.load(open(cache / (result["profile"]["key"] + ".json")))[
         "weights"]["units"] for p in u["params"]}
     for param, layer in recipe["layers"].items():
         label = result["allocation"]["weights"][units[param]]
@@ -57,6 +62,15 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
     assert row["kv"] == "this checkpoint's KV policy" and "this checkpoint" in row["weights"]
     assert row["weight_bytes"] == result["allocation"]["weight_bytes"]  # to the byte
     assert 0.9 * result["allocation"]["kv_bytes"] <= row["kv_bytes_at_context"] <= result["allocation"]["kv_bytes"]
+    # The paged engine serves the checkpoint in its per-layer formats with no flags.
+    from paperback.engine.llm import LLM
+    from paperback.generation.sampling import SamplingParams
+
+    llm = LLM(str(out), kv_memory=64 * 2 ** 20)
+    layers = [layer.scheme.label for layer in llm.engine.pool.layers]
+    assert layers == [{"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[result["allocation"]["kv"][str(i)]]
+                      for i in range(2)]
+    assert len(llm.generate(["Hello there"], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
     # eval on the checkpoint with no KV flags reads through the fitted policy.
     assert main(["eval", str(out), "--data", "pydoc", "--context", "128", "--max-windows", "1", "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
@@ -86,17 +100,39 @@ def test_profile_refuses_an_unknown_model(tmp_path, capsys):
     assert code == 2 and "not found" in capsys.readouterr().err
 
 
-def test_fit_report_is_self_contained(tiny_dir, tmp_path, capsys):
+def test_fit_report_is_self_contained(tiny_dir, tmp_path, cache, capsys):
     out = tmp_path / "fitted"
-    argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--no-needles",
-            "--cache-dir", str(tmp_path / "cache"), "--eval-context", "128", "--eval-windows", "1", *SMALL]
+    argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--needle-depths", "0.5",
+            "--cache-dir", str(cache), "--eval-context", "128", "--eval-windows", "1", *SMALL]
     assert main(argv) == 0
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 4
     for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
-                    "Breakdown point", "Pearson"):
+                    "Breakdown point", "Pearson", "needles at"):
         assert section in page
     # Nothing is fetched from elsewhere: no URL other than the embedded images.
     import re
 
     assert not re.search(r"(src|href)=\"(?!data:)", page) and "http://" not in page and "https://" not in page
+
+
+def test_fit_with_a_profile_of_other_text_is_refused(tiny_dir, tmp_path, cache, capsys):
+    profile = tmp_path / "profile.json"
+    assert main(["profile", str(tiny_dir), "-o", str(profile), "--cache-dir", str(cache), *SMALL]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text("A different text entirely. " * 2000)
+    code = main(["fit", str(tiny_dir), "-o", str(tmp_path / "x"), "--memory", "1GiB", "--context", "256",
+                 "--profile", str(profile), "--text", str(other)])
+    assert code == 2 and "other text" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_fits_the_default_model_from_its_shipped_profile(tmp_path, capsys):
+    """The main job: SmolLM2 fitted into 1 GiB for 8 x 8,192 tokens (no profiling: the profile ships)."""
+    out = tmp_path / "demo-fit"
+    assert main(["demo", "--output", str(out), "--eval-windows", "2", "--skip-bench"]) == 0
+    fit = json.loads((out / "fit.json").read_text())
+    assert fit["profile"]["seconds"] and fit["seconds"]["profile"] < 5  # reused, not measured
+    assert fit["allocation"]["total_bytes"] <= 2 ** 30
+    assert fit["quality"]["eval"]["kl_divergence"] < 0.05 and (out / "report.html").exists()
+    assert "the full model beside the fitted one" in capsys.readouterr().out
