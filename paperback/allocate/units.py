@@ -10,7 +10,6 @@ planner counts them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from paperback.errors import PaperbackError
@@ -127,7 +126,3 @@ def pool_block_size(formats: list[KVScheme]) -> int:
     """One block size for every candidate, so each layer's bytes do not depend on the others' choices."""
     return paged_block_size(formats)
 
-
-def bits_per_weight(units: list[WeightUnit], choice: dict[str, QuantScheme | None]) -> float:
-    total_bits = 8 * sum(u.bytes_for(choice[u.name]) for u in units)
-    return total_bits / math.fsum(u.numel for u in units)

@@ -22,3 +22,8 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+
+def split_list(text: str) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c'): a comma-separated option."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

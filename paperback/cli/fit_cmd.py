@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
 
 
@@ -53,15 +53,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
 
 def _depths(text: str) -> tuple[float, ...]:
     from paperback.errors import PaperbackError
 
     try:
-        depths = tuple(float(part) for part in _split(text))
+        depths = tuple(float(part) for part in split_list(text))
     except ValueError:
         raise PaperbackError(f"bad --needle-depths '{text}' (numbers in [0, 1], comma-separated)") from None
     if not depths or not all(0 <= d <= 1 for d in depths):
@@ -80,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
 
     workload = Workload(parse_bytes(args.memory), args.context, args.users)
-    profile = ProfileConfig(args.method, _split(args.weight_schemes), _split(args.kv_formats),
+    profile = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats),
                             window_tokens=args.window_tokens, weight_tokens=args.weight_tokens,
                             additivity_samples=args.additivity_samples)
     parse_weight_candidates(profile.weight_schemes)

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
 
 
@@ -46,9 +46,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
 
 def run(args: argparse.Namespace) -> int:
     from paperback.allocate.profile import ProfileConfig, Profiler
@@ -56,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from paperback.evaluation.datasets import load_text
     from paperback.loading import load_model
 
-    config = ProfileConfig(args.method, _split(args.weight_schemes), _split(args.kv_formats), args.windows,
+    config = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats), args.windows,
                            args.window_tokens, args.weight_tokens, span=args.span,
                            additivity_samples=args.additivity_samples, seed=args.seed)
     parse_weight_candidates(config.weight_schemes)  # bad names fail before the model loads
