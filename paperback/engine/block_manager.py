@@ -17,6 +17,10 @@ in order. Blocks are shared by reference count:
   gets a private copy and the manager reports the (source, destination) copy
   for the runner to perform.
 
+- **Eviction.** A sequence whose cache keeps only attention sinks and a
+  recent window (StreamingLLM retention) gives back the blocks no query reads
+  again; its table keeps their places, marked EVICTED.
+
 Nothing else allocates cache memory; `check()` verifies every invariant.
 """
 
@@ -27,6 +31,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from paperback.errors import PaperbackError
+
+
+EVICTED = -1  # a block-table entry whose block was given back (never read again)
 
 
 class NoFreeBlocks(PaperbackError):
@@ -126,12 +133,17 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def can_allocate(self, tokens: list[int], keep_free: int = 0) -> bool:
+    def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None) -> bool:
         """Whether allocate() would succeed now and leave `keep_free` blocks free (cached prefix blocks
         cost nothing)."""
         cached = self._cached_prefix(tokens)
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        return self.blocks_needed(len(tokens)) - len(cached) <= self.num_free - reused_free - keep_free
+        slots = self._slots(len(tokens), len(cached), max_new)
+        return self.blocks_needed(slots) - len(cached) <= self.num_free - reused_free - keep_free
+
+    def _slots(self, num_tokens: int, cached_blocks: int, max_new: int | None) -> int:
+        cached = cached_blocks * self.block_size
+        return num_tokens if max_new is None else min(num_tokens, cached + max_new)
 
     def _cached_prefix(self, tokens: list[int]) -> list[int]:
         if not self.prefix_caching:
@@ -146,15 +158,17 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def allocate(self, seq_id: int, tokens: list[int]) -> int:
-        """Blocks for a new sequence's prompt; returns how many leading tokens are already cached."""
+    def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None) -> int:
+        """Blocks for a new sequence's prompt (or, with `max_new`, for its cached prefix and the next
+        `max_new` tokens only; append_slots adds the rest); returns how many leading tokens are cached."""
         if seq_id in self.seqs:
             raise PaperbackError(f"sequence {seq_id} already has blocks")
         if not tokens:
             raise PaperbackError("cannot allocate an empty sequence")
         cached = self._cached_prefix(tokens)
-        if not self.can_allocate(tokens):
-            raise NoFreeBlocks(f"{self.blocks_needed(len(tokens)) - len(cached)} blocks needed, {self.num_free} free")
+        slots = self._slots(len(tokens), len(cached), max_new)
+        if not self.can_allocate(tokens, max_new=max_new):
+            raise NoFreeBlocks(f"{self.blocks_needed(slots) - len(cached)} blocks needed, {self.num_free} free")
         seq = SequenceBlocks()
         for block_id in cached:
             self._ref(block_id)
@@ -163,9 +177,9 @@ class BlockManager:
         if self.prefix_caching:
             self.prefix_queries += (len(tokens) - 1) // self.block_size
             self.prefix_hits += len(cached)
-        while len(seq.table) < self.blocks_needed(len(tokens)):
+        while len(seq.table) < self.blocks_needed(slots):
             seq.table.append(self._take_free())
-        seq.num_tokens = len(tokens)
+        seq.num_tokens = slots
         self.seqs[seq_id] = seq
         return len(cached) * self.block_size
 
@@ -212,6 +226,8 @@ class BlockManager:
         for h in self._block_hashes(tokens[:full * self.block_size], parent, len(seq.hashes)):
             b = len(seq.hashes)
             seq.hashes.append(h)
+            if seq.table[b] == EVICTED:
+                continue
             block = self.blocks[seq.table[b]]
             if h in self.cached or block.block_hash is not None:
                 continue  # an equal block is cached already (or this one is): keep one copy
@@ -224,14 +240,27 @@ class BlockManager:
             raise PaperbackError(f"sequence {child_id} already has blocks")
         parent = self.seqs[parent_id]
         for block_id in parent.table:
-            self._ref(block_id)
+            if block_id != EVICTED:
+                self._ref(block_id)
         self.seqs[child_id] = SequenceBlocks(list(parent.table), parent.num_tokens, list(parent.hashes))
 
     def free(self, seq_id: int) -> None:
         """Release a finished, cancelled or preempted sequence's blocks (tail first, so it is evicted first)."""
         seq = self.seqs.pop(seq_id)
         for block_id in reversed(seq.table):
-            self._unref(block_id)
+            if block_id != EVICTED:
+                self._unref(block_id)
+
+    def evict(self, seq_id: int, lo: int, hi: int) -> int:
+        """Give back the sequence's blocks [lo, hi) of its table (never its last); returns how many."""
+        seq = self.seqs[seq_id]
+        freed = 0
+        for b in range(lo, min(hi, len(seq.table) - 1)):
+            if seq.table[b] != EVICTED:
+                self._unref(seq.table[b])
+                seq.table[b] = EVICTED
+                freed += 1
+        return freed
 
     # --- invariants ------------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -240,7 +269,8 @@ class BlockManager:
         for seq in self.seqs.values():
             assert len(seq.table) == self.blocks_needed(seq.num_tokens), "table length"
             for block_id in seq.table:
-                refs[block_id] += 1
+                if block_id != EVICTED:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: count {block.ref_count}"
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), f"block {block.block_id}: free list"

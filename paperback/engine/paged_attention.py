@@ -26,13 +26,15 @@ BlockReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torch.Tensor, seq_len: int,
-                    block_size: int, scaling: float, window: int | None = None,
+                    block_size: int, scaling: float, window: int | None = None, sink: int = 0,
                     blocks_per_step: int = 32) -> torch.Tensor:
     """q (H, T, D) at positions seq_len - T .. seq_len - 1; returns (H, T, D).
 
     Keys are at positions 0 .. seq_len - 1 in the blocks of `block_table`
     (the last block may be partly filled). Causal; with `window`, a query at
-    p sees keys in (p - window, p], as sliding-window layers do.
+    p sees keys in (p - window, p], as sliding-window layers do, and with
+    `sink` also the first `sink` keys (StreamingLLM). Blocks no query reads
+    are never touched (they may have been evicted).
 
     Each step reads only the written key positions some query can see, and
     runs them through PyTorch's fused CPU attention kernel, which also
@@ -46,39 +48,48 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
     """
     heads, num_new, dim = q.shape
     first_pos = seq_len - num_new
+    sink = sink if window is not None else 0
     lo_pos = 0 if window is None else max(0, first_pos - window + 1)  # keys before every window are never read
     lo_block, hi_block = lo_pos // block_size, -(-seq_len // block_size)
+    spans = [(lo_pos, lo_block, hi_block)]
+    sink_blocks = -(-sink // block_size)
+    if sink and lo_pos > 0:
+        if sink_blocks > lo_block:  # the sinks reach the window's first block: read from the start
+            spans = [(0, 0, hi_block)]
+        else:
+            spans = [(0, 0, sink_blocks), *spans]
     # fp32 throughout: the fused kernel rounds bf16 probabilities to bf16 before multiplying the values, and in
     # fp32 it is as fast on this CPU.
     q32 = q.float()
     out = lse = None
-    for start in range(lo_block, hi_block, blocks_per_step):
-        ids = block_table[start:min(start + blocks_per_step, hi_block)]
-        k, v = read_blocks(ids)  # (n, Hkv, bs, D)
-        kv_heads, base = k.shape[1], start * block_size
-        # Only written, possibly visible slots: the last block's others hold stale bytes, maybe NaN.
-        lo, hi = max(lo_pos, base) - base, min(base + len(ids) * block_size, seq_len) - base
-        k = k.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
-        v = v.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
-        visible = _visibility(base + lo, base + hi, first_pos, seq_len, window, q.device)
-        step_out, step_lse = _grouped_attention(q32, k, v, visible, scaling)
-        if out is None:
-            out, lse = step_out, step_lse
-        else:
-            out, lse = _merge_partial(out, lse, step_out, step_lse)
+    for span_lo, span_start, span_end in spans:
+        for start in range(span_start, span_end, blocks_per_step):
+            ids = block_table[start:min(start + blocks_per_step, span_end)]
+            k, v = read_blocks(ids)  # (n, Hkv, bs, D)
+            kv_heads, base = k.shape[1], start * block_size
+            # Only written, possibly visible slots: the last block's others hold stale bytes, maybe NaN.
+            lo, hi = max(span_lo, base) - base, min(base + len(ids) * block_size, seq_len) - base
+            k = k.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+            v = v.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+            visible = _visibility(base + lo, base + hi, first_pos, seq_len, window, sink, q.device)
+            step_out, step_lse = _grouped_attention(q32, k, v, visible, scaling)
+            if out is None:
+                out, lse = step_out, step_lse
+            else:
+                out, lse = _merge_partial(out, lse, step_out, step_lse)
     return out.to(q.dtype)
 
 
-def _visibility(key_lo: int, key_hi: int, first_pos: int, seq_len: int, window: int | None, device):
+def _visibility(key_lo: int, key_hi: int, first_pos: int, seq_len: int, window: int | None, sink: int, device):
     """(T, keys) bool of which queries see which keys in [key_lo, key_hi); None when all see all."""
-    sees_all = key_hi - 1 <= first_pos and (window is None or key_lo > seq_len - 1 - window)
-    if sees_all:
+    in_reach = window is None or key_lo > seq_len - 1 - window or key_hi <= sink
+    if key_hi - 1 <= first_pos and in_reach:
         return None
     q_pos = torch.arange(first_pos, seq_len, device=device)[:, None]
     k_pos = torch.arange(key_lo, key_hi, device=device)[None, :]
     visible = k_pos <= q_pos
     if window is not None:
-        visible &= k_pos > q_pos - window
+        visible &= (k_pos > q_pos - window) | (k_pos < sink)
     return visible
 
 

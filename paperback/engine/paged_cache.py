@@ -13,6 +13,12 @@ slots in that layer's format (a `KVPolicy` picks it):
   recent window and partly filled key groups stay exact, as in
   `paperback.kv.QuantizedKVCache`.
 
+Retention: a quantized layer's sink blocks (`sink=`) stay in staging, exact,
+for the sequence's life. With a retention window in every layer, blocks
+wholly before every layer's window (sinks aside) are evicted: the engine asks
+`evictable` after each step and the block manager frees them. A layer whose
+window is narrower than another's only stops reading them.
+
 The block manager decides which blocks a sequence owns; the pool stores
 bytes and, per sequence, which staging slots hold its unencoded blocks.
 
@@ -34,7 +40,7 @@ from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.paged_attention import decode_kernel_available, paged_attention, paged_decode_attention
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
-from paperback.kv.schemes import NATIVE
+from paperback.kv.schemes import NATIVE, pool_retention
 from paperback.models.config import ModelConfig
 
 
@@ -43,6 +49,11 @@ class _Layer:
                  stage_blocks: int, dtype: torch.dtype, device, amax=None):
         self.scheme = policy.scheme_for(idx)
         self.native = self.scheme.is_native
+        self.window = self.scheme.window or config.window_of(idx)  # what its attention reads
+        self.sink_blocks = -(-self.scheme.sink // block_size)
+        if not self.native and self.scheme.sink % block_size:
+            raise PaperbackError(f"layer {idx}: sink={self.scheme.sink} is not a whole number of the pool's "
+                                 f"{block_size}-token blocks")
         shape = (config.num_kv_heads, block_size, config.head_dim)
         if self.native:
             store = NATIVE[self.scheme.dtype]
@@ -96,8 +107,13 @@ class PagedKVPool:
         self.device = torch.device(device)
         self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device,
                               (kv_amax or {}).get(i)) for i in range(config.num_layers)]
-        # Native layers whose storage the C decode kernel reads (CPU, a dtype it knows): decided once.
-        self.kernel_decodes = [layer.native and decode_kernel_available(layer.keys) for layer in self.layers]
+        # Native layers whose storage the C decode kernel reads (CPU, a dtype it knows; it has no sinks).
+        self.kernel_decodes = [layer.native and not layer.scheme.sink and decode_kernel_available(layer.keys)
+                               for layer in self.layers]
+        window, sink = pool_retention(layer.scheme for layer in self.layers)
+        self.evict_window, self.evict_sink_blocks = window, -(-sink // block_size)
+        # Sink blocks some quantized layer reads from staging keep their slot for the sequence's life.
+        self.stage_sink_blocks = max((layer.sink_blocks for layer in self.layers if not layer.native), default=0)
         quantized = [layer.scheme for layer in self.layers if not layer.native]
         self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
         self.quantized = bool(quantized)
@@ -109,9 +125,18 @@ class PagedKVPool:
         self.seqs: dict[int, _SeqState] = {}
 
     @staticmethod
-    def stage_blocks_per_seq(block_size: int, residual: int) -> int:
-        """Staging a sequence can hold at once: its recent window plus the block being filled, plus one."""
-        return -(-residual // block_size) + 2
+    def stage_blocks_per_seq(block_size: int, residual: int, sink: int = 0) -> int:
+        """Staging a sequence can hold at once: its sinks, its recent window plus the block being filled,
+        plus one."""
+        return -(-sink // block_size) + -(-residual // block_size) + 2
+
+    def evictable(self, seq_len: int) -> tuple[int, int]:
+        """[lo, hi): the sequence's blocks no layer reads again once it holds `seq_len` tokens (empty
+        unless every layer evicts). The next query, at seq_len, reads keys from seq_len - window + 1."""
+        if not self.evict_window:
+            return 0, 0
+        return self.evict_sink_blocks, max(self.evict_sink_blocks, (seq_len - self.evict_window + 1)
+                                           // self.block_size)
 
     @property
     def nbytes(self) -> int:
@@ -192,25 +217,26 @@ class PagedKVPool:
 
             return read_native
         state = self.seqs[seq_id]
-        flushed = state.flushed[layer_idx]
+        flushed, sinks = state.flushed[layer_idx], layer.sink_blocks
+
+        def read_encoded(idx: torch.Tensor):
+            ids = table.index_select(0, idx)
+            return (layer.key_codec.decode({n: t.index_select(0, ids) for n, t in layer.key_fields.items()}, dtype),
+                    layer.value_codec.decode({n: t.index_select(0, ids) for n, t in layer.value_fields.items()},
+                                             dtype))
+
+        def read_staged(idx: torch.Tensor):
+            slots = torch.tensor([state.stage[b] for b in idx.tolist()], dtype=torch.long, device=self.device)
+            return layer.stage_keys.index_select(0, slots).to(dtype), layer.stage_values.index_select(0, slots).to(dtype)
 
         def read(idx: torch.Tensor):
-            parts_k, parts_v = [], []
-            encoded = idx[idx < flushed]
-            if len(encoded):
-                ids = table.index_select(0, encoded)
-                parts_k.append(layer.key_codec.decode(
-                    {n: t.index_select(0, ids) for n, t in layer.key_fields.items()}, dtype))
-                parts_v.append(layer.value_codec.decode(
-                    {n: t.index_select(0, ids) for n, t in layer.value_fields.items()}, dtype))
-            staged = idx[idx >= flushed]
-            if len(staged):
-                slots = torch.tensor([state.stage[b] for b in staged.tolist()], dtype=torch.long, device=self.device)
-                parts_k.append(layer.stage_keys.index_select(0, slots).to(dtype))
-                parts_v.append(layer.stage_values.index_select(0, slots).to(dtype))
-            if len(parts_k) == 1:
-                return parts_k[0], parts_v[0]
-            return torch.cat(parts_k), torch.cat(parts_v)
+            # In block order: exact sinks, encoded blocks, then the staged recent blocks.
+            parts = [(read_staged, idx < sinks), (read_encoded, (idx >= sinks) & (idx < flushed)),
+                     (read_staged, idx >= max(flushed, sinks))]
+            read = [reader(idx[chosen]) for reader, chosen in parts if chosen.any()]
+            if len(read) == 1:
+                return read[0]
+            return torch.cat([k for k, _ in read]), torch.cat([v for _, v in read])
 
         return read
 
@@ -226,7 +252,7 @@ class PagedKVPool:
             return
         state = self.seqs[seq_id]
         ready = max(0, seq_len - layer.scheme.residual) // self.block_size
-        for b in range(state.flushed[layer_idx], ready):
+        for b in range(max(state.flushed[layer_idx], layer.sink_blocks), ready):
             slot = state.stage[b]
             for codec, stage, fields in ((layer.key_codec, layer.stage_keys, layer.key_fields),
                                          (layer.value_codec, layer.stage_values, layer.value_fields)):
@@ -234,11 +260,14 @@ class PagedKVPool:
                     fields[name][table[b]] = t[0]
         state.flushed[layer_idx] = max(state.flushed[layer_idx], ready)
         done = state.all_flushed
-        for b in [b for b in state.stage if b < done]:
+        for b in [b for b in state.stage if self.stage_sink_blocks <= b < done]:
             self.stage_free.append(state.stage.pop(b))
 
     def final_blocks(self, seq_id: int, computed: int) -> int:
-        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share)."""
+        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share).
+        None while a quantized layer holds exact sinks: those live in the sequence's own staging."""
+        if self.stage_sink_blocks:
+            return 0
         full = computed // self.block_size
         return min(full, self.seqs[seq_id].all_flushed) if self.quantized else full
 
@@ -295,10 +324,13 @@ class StepBatch:
                                                  window).transpose(0, 1)
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
-        """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D)."""
+        """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D).
+        The layer's retention window, where its scheme sets one, replaces `window` (never both)."""
         out = torch.empty_like(q)
         start = 0
         bs = self.pool.block_size
+        layer = self.pool.layers[layer_idx]
+        window, sink = layer.window, layer.scheme.sink if layer.scheme.window else 0
         together = self.decoding if self.pool.kernel_decodes[layer_idx] else []
         if together:
             self._attend_decoding_together(self.pool.layers[layer_idx], q, k, v, scaling, window, out)
@@ -312,5 +344,5 @@ class StepBatch:
             self.pool.write(layer_idx, s.seq_id, s.block_table, self.positions[part], k[0, :, part], v[0, :, part])
             self.pool.flush(layer_idx, s.seq_id, s.block_table, s.seq_len)
             read = self.pool.reader(layer_idx, s.seq_id, s.block_table, q.dtype)
-            out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window)
+            out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window, sink)
         return out

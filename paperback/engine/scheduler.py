@@ -75,12 +75,19 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases."""
+    """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases.
+
+    blocks_held(tokens): the most blocks a sequence of that many tokens owns at once; with eviction
+    (a cache that keeps sinks and a window) that is bounded, and then prompts get blocks step by step,
+    a chunk at a time, instead of all at admission.
+    """
 
     def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig(),
-                 on_admit=None, on_free=None):
+                 on_admit=None, on_free=None, blocks_held=None):
         self.blocks = blocks
         self.config = config
+        self.blocks_held = blocks_held
+        self.lazy = blocks_held is not None
         self.on_admit = on_admit or (lambda seq, cached: None)
         self.on_free = on_free or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
@@ -91,7 +98,9 @@ class Scheduler:
         if seq.params.n > self.config.max_num_seqs:
             raise PaperbackError(f"n = {seq.params.n} completions exceed the engine's {self.config.max_num_seqs} "
                                  f"running sequences")
-        if self.blocks.blocks_needed(seq.num_tokens + seq.params.max_tokens) > self.blocks.num_blocks:
+        total = seq.num_tokens + seq.params.max_tokens
+        held = self.blocks_held(total) if self.blocks_held else self.blocks.blocks_needed(total)
+        if held > self.blocks.num_blocks:
             raise PaperbackError(f"request {seq.request_id} needs more KV blocks than the whole pool holds "
                                  f"({seq.num_tokens} + {seq.params.max_tokens} tokens)")
         self.waiting.append(seq)
@@ -152,11 +161,12 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
+            max_new = budget if self.lazy else None
             if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
-                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running)):
+                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running), max_new=max_new):
                 break
             self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens, max_new)
             self.on_admit(seq, seq.num_computed)
             seq.status, seq.admitted_step = Status.RUNNING, self.steps
             self.running.append(seq)

@@ -8,6 +8,10 @@ recent window is seen as the format stores it; each chunk is decoded once,
 when it is written, not on every step. The paged engine stores the same
 encoded chunks in its blocks.
 
+Retention (`sink=`, `window=` in a scheme): sink tokens stay exact in the
+view and are never encoded; with a window, attention reads only the sinks
+and the window (`retention`), and the bytes count only those tokens.
+
 Rows of a batch share positions (equal-length prompts), as in the contiguous cache.
 """
 
@@ -36,7 +40,8 @@ class LayerStore:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.key_chunks: list[Fields] = []
         self.value_chunks: list[Fields] = []
-        self.encoded = 0  # tokens [0, encoded) are stored encoded
+        self.chunk_spans: list[tuple[int, int]] = []  # the positions each chunk encodes
+        self.encoded = scheme.sink  # tokens [sink, encoded) are stored encoded; sinks stay exact
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +65,7 @@ class LayerStore:
             fields = codec.encode(view[:, :, lo:hi])
             chunks.append(fields)
             view[:, :, lo:hi] = codec.decode(fields, view.dtype)
+        self.chunk_spans.append((lo, hi))
         self.encoded = hi
 
     def stored(self, values: bool = False) -> Fields | None:
@@ -73,12 +79,21 @@ class LayerStore:
         return block
 
     def nbytes(self) -> int:
-        """Encoded bytes plus the recent window at RECENT_BITS plus per-layer scales."""
-        encoded = sum(fields_bytes(f) for f in self.key_chunks + self.value_chunks)
+        """Encoded bytes of the tokens kept, plus the exact ones (sinks, the recent window) at RECENT_BITS,
+        plus per-layer scales. With a window, tokens the next query cannot read are not counted."""
         b, h, _, d = self.keys.shape
-        recent = 2 * b * h * (self.length - self.encoded) * d * RECENT_BITS // 8
+        token_bits = 2 * b * h * d * RECENT_BITS
+        if self.scheme.is_native:
+            return int(self.scheme.kept_tokens(self.length) * 2 * b * h * d * self.scheme.bits_per_element(d) / 8)
+        first_kept = self.length - (self.scheme.kept_tokens(self.length) - min(self.length, self.scheme.sink))
+        encoded = 0.0
+        for (lo, hi), key, value in zip(self.chunk_spans, self.key_chunks, self.value_chunks):
+            kept = hi - max(lo, first_kept)
+            if kept > 0:  # whole groups of a chunk the window still covers
+                encoded += (fields_bytes(key) + fields_bytes(value)) * kept / (hi - lo)
+        exact = min(self.length, self.scheme.sink) + max(0, self.length - max(self.encoded, first_kept))
         scales = sum(c.scale_bytes() for c in (self.key_codec, self.value_codec) if isinstance(c, FP8Codec))
-        return encoded + recent + scales
+        return int(encoded) + exact * token_bits // 8 + scales
 
 
 class QuantizedKVCache:
@@ -112,6 +127,11 @@ class QuantizedKVCache:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         return self.layers[layer_idx].append(k, v, start_pos)
+
+    def retention(self, layer_idx: int) -> tuple[int | None, int]:
+        """(window, sink) the layer's attention reads: window None keeps every token."""
+        scheme = self.layers[layer_idx].scheme
+        return (scheme.window or None), scheme.sink
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

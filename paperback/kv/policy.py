@@ -127,4 +127,9 @@ def build_policy(config: ModelConfig, kv: str | None = None, skip_layers: str | 
             overrides[i] = native
     for scheme in {default, *overrides.values()}:
         scheme.check_head_dim(config.head_dim)
-    return KVPolicy(default, overrides)
+    policy = KVPolicy(default, overrides)
+    for i in range(config.num_layers):
+        if policy.scheme_for(i).window and config.window_of(i) is not None:
+            raise PaperbackError(f"layer {i} already attends a sliding window of {config.window_of(i)} tokens; "
+                                 "a retention window applies to full-attention layers (select them with 'global')")
+    return policy

@@ -12,6 +12,13 @@ A spec is a name with optional settings, `name[:key=value,...]`:
 
 `r` recent tokens stay in full precision; older ones are encoded in whole
 groups (`flush_group`) as the recent window slides past them.
+
+Token retention, for any format:
+
+    sink=S       the first S tokens (attention sinks) stay exact, never encoded
+    window=W     StreamingLLM: a query at p reads only keys in (p - W, p] and the
+                 sinks; everything between is evicted (the paged engine frees those
+                 blocks once every layer has let them go)
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from paperback.kv.calibrate import fp8_scale
 from paperback.kv.codecs import ChannelIntCodec, FP8Codec, KVCodec, NativeCodec, PairMixCodec, TokenIntCodec
 
 NATIVE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SINK_UNIT = 16  # sinks fill whole blocks of the paged engine's smallest block size
 FAMILIES = ("native", "fp8", "int", "kivi", "pnmix")
 
 
@@ -42,6 +50,8 @@ class KVScheme:
     high_bits: int = 4  # pnmix: bits of the chosen key pairs
     top_pairs: int = 4  # pnmix: RoPE pairs per key head at high_bits
     value_bits: int = 2  # pnmix: bits of the values
+    sink: int = 0  # leading tokens kept exact (attention sinks)
+    window: int = 0  # > 0: keys older than this many positions (sinks aside) are evicted
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -52,9 +62,26 @@ class KVScheme:
             raise PaperbackError(f"FP8 scale must be 1 or calibrated, not '{self.scale}'")
         # Build the codecs once so bad bits or groups fail here, before any work.
         self.codecs()
+        if self.sink < 0 or self.window < 0:
+            raise PaperbackError("sink and window must be >= 0 tokens")
+        if self.sink % SINK_UNIT:
+            raise PaperbackError(f"sink={self.sink}: sinks are kept in whole cache blocks, a multiple of "
+                                 f"{SINK_UNIT} tokens")
+        if self.sink % self.flush_group:
+            raise PaperbackError(f"sink={self.sink} is not a whole number of {self.label}'s "
+                                 f"{self.flush_group}-token groups")
+        if self.window and not self.is_native and self.window <= self.residual:
+            raise PaperbackError(f"window={self.window} must exceed the exact recent window r={self.residual}: "
+                                 "tokens are encoded before they are evicted")
 
     @property
     def label(self) -> str:
+        retention = (f"+sink{self.sink}" if self.sink else "") + (f"+win{self.window}" if self.window else "")
+        return self.format_label + retention
+
+    @property
+    def format_label(self) -> str:
+        """The label of the format alone, retention left out."""
         if self.family == "native":
             return self.dtype
         if self.family == "fp8":
@@ -68,6 +95,10 @@ class KVScheme:
     @property
     def is_native(self) -> bool:
         return self.family == "native"
+
+    def kept_tokens(self, tokens: int) -> int:
+        """Cached tokens the next query (at position `tokens`) can read: all, or the sinks and the window."""
+        return min(tokens, self.sink + self.window - 1) if self.window else tokens
 
     def codecs(self, amax: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[KVCodec, KVCodec]:
         """(key codec, value codec). Calibrated FP8 takes this layer's (key, value) amax per KV head."""
@@ -102,21 +133,39 @@ class KVScheme:
     def stored_bits(self, tokens: int, head_dim: int, recent_bits: int = 16) -> float:
         """Total bits of one cached channel (keys and values averaged) over `tokens` tokens.
 
-        Tokens older than the recent window are encoded in whole flush groups;
-        the rest are held at `recent_bits` (a served fp16/bf16 model's dtype).
+        Sinks stay at `recent_bits` (a served fp16/bf16 model's dtype); after
+        them, tokens older than the recent window are encoded in whole flush
+        groups, the rest held at `recent_bits`. With a window, only the tokens
+        the next query can read are counted (`kept_tokens`).
         """
-        encoded = max(0, (tokens - self.residual) // self.flush_group * self.flush_group)
-        return encoded * self.bits_per_element(head_dim) + (tokens - encoded) * recent_bits
+        if self.is_native:
+            return self.kept_tokens(tokens) * self.bits_per_element(head_dim)
+        sinks = min(tokens, self.sink)
+        encoded = max(0, (tokens - sinks - self.residual) // self.flush_group * self.flush_group)
+        tail = tokens - sinks - encoded  # the newest tokens, not yet encoded
+        if self.window:
+            kept = self.kept_tokens(tokens) - sinks
+            tail = min(tail, kept)
+            encoded = min(encoded, kept - tail)
+        return encoded * self.bits_per_element(head_dim) + (sinks + tail) * recent_bits
 
-    def paged_bits(self, tokens: int, head_dim: int, block_size: int = 16, recent_bits: int = 16) -> float:
-        """stored_bits as the paged engine holds them: whole blocks in the format for every token, plus,
-        for quantized formats, the tokens not yet encoded in exact staging at `recent_bits`."""
+    def paged_bits(self, tokens: int, head_dim: int, block_size: int = 16, recent_bits: int = 16,
+                   pool: tuple[int, int] | None = None) -> float:
+        """stored_bits as the paged engine holds them: the blocks a sequence still owns, in the format, plus,
+        for quantized formats, the exact staging of its sink blocks and of the blocks not yet encoded, at
+        `recent_bits`. `pool` is the (window, sink) by which the whole pool frees blocks (`pool_retention`);
+        by default this scheme's own, as when every layer shares it."""
+        window, sink = (self.window, self.sink) if pool is None else pool
         block = math.lcm(block_size, self.flush_group)
-        slots = -(-tokens // block) * block
+        blocks = -(-tokens // block)
+        if window:  # blocks wholly before the next query's window, sinks aside, are freed
+            blocks -= max(0, (tokens - window + 1) // block - -(-sink // block))
+        slots = blocks * block
         if self.is_native:
             return slots * self.bits_per_element(head_dim)
-        encoded = max(0, (tokens - self.residual) // block * block)
-        staged = -(-(tokens - encoded) // block) * block
+        sink_blocks = -(-self.sink // block)
+        encoded = max(sink_blocks, max(0, tokens - self.residual) // block)
+        staged = (min(sink_blocks, -(-tokens // block)) + max(0, -(-tokens // block) - encoded)) * block
         return slots * self.bits_per_element(head_dim) + staged * recent_bits
 
     def to_dict(self) -> dict:
@@ -143,7 +192,18 @@ _SETTINGS = {
     "g": ("token_group", int), "vg": ("channel_group", int), "r": ("residual", int), "bits": ("bits", int),
     "lo": ("bits", int), "hi": ("high_bits", int), "top": ("top_pairs", int), "vbits": ("value_bits", int),
     "scale": ("scale", str), "per_head": ("per_head", lambda v: v in ("1", "true", "yes")),
+    "sink": ("sink", int), "window": ("window", int),
 }
+
+
+def pool_retention(schemes) -> tuple[int, int]:
+    """(window, sink) by which a paged pool shared by these layers frees blocks: a block is freed once no
+    layer can read it again, so only when every layer evicts, past the widest window and the most sinks.
+    (0, 0) when some layer keeps every token."""
+    schemes = list(schemes)
+    if not schemes or not all(s.window for s in schemes):
+        return 0, 0
+    return max(s.window for s in schemes), max(s.sink for s in schemes)
 
 
 def paged_block_size(schemes, base: int = 16) -> int:

@@ -23,7 +23,9 @@ class KVCache(Protocol):
     chunk's rotated queries and keys before `update` (PN-Mix ranks key
     channels by query and key norms at prefill), or take over attention
     entirely with `attention(layer_idx, q, k, v, scaling, window) -> out`
-    (the paged engine's step batch: several sequences packed in one row).
+    (the paged engine's step batch: several sequences packed in one row),
+    and `retention(layer_idx) -> (window, sink)` when it evicts old tokens
+    (window None: it keeps them all).
     """
 
     def update(
@@ -79,7 +81,12 @@ class Attention(nn.Module):
             if observe is not None:
                 observe(self.layer_idx, q, k)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
-        out = attend(q, k, v, start_pos, self.scaling, self.window)  # (B, H, T, D)
+        window, sink = self.window, 0
+        retention = getattr(kv_cache, "retention", None)
+        if retention is not None:
+            kept, sink = retention(self.layer_idx)
+            window = kept or window  # a policy never puts a retention window on a sliding-window layer
+        out = attend(q, k, v, start_pos, self.scaling, window, sink)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

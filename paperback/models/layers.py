@@ -90,30 +90,39 @@ def attend(
     start_pos: int,
     scaling: float,
     window: int | None,
+    sink: int = 0,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of new queries over all keys.
 
     q: (B, H, T, D) at absolute positions start_pos .. start_pos + T - 1.
     k, v: (B, Hkv, S, D) at positions 0 .. S - 1, with S = start_pos + T.
+    With a window, a query at p reads keys in (p - window, p] and, with
+    `sink`, also the first `sink` keys (StreamingLLM's attention sinks).
     Returns (B, H, T, D).
     """
     num_new = q.shape[2]
-    first_key = 0
+    first_key = head = 0  # keys read: the first `head` (sinks), then first_key onward
+    sink = sink if window is not None else 0
     if window is not None:
-        # Keys older than the first query's window are never read: skip them.
+        # Keys older than the first query's window are never read, sinks aside: skip them.
         first_key = max(0, start_pos - window + 1)
-        k, v = k[:, :, first_key:], v[:, :, first_key:]
+        if first_key <= sink:
+            first_key = 0
+        head = sink if first_key else 0
+        k = torch.cat((k[:, :, :head], k[:, :, first_key:]), dim=2) if head else k[:, :, first_key:]
+        v = torch.cat((v[:, :, :head], v[:, :, first_key:]), dim=2) if head else v[:, :, first_key:]
     num_keys = k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if num_new == 1 and (window is None or num_keys <= window):
+    if num_new == 1 and (window is None or num_keys <= window + head):
         return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
     if first_key == 0 and start_pos == 0 and (window is None or num_new <= window):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     q_pos = torch.arange(start_pos, start_pos + num_new, device=q.device)[:, None]
-    k_pos = torch.arange(first_key, first_key + num_keys, device=q.device)[None, :]
+    k_pos = torch.cat((torch.arange(head, device=q.device),
+                       torch.arange(first_key, first_key + num_keys - head, device=q.device)))[None, :]
     mask = k_pos <= q_pos
     if window is not None:
-        mask &= k_pos > q_pos - window
+        mask &= (k_pos > q_pos - window) | (k_pos < sink)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 

@@ -22,7 +22,9 @@ def tiny(tmp_path_factory):
     return load_model(str(path), with_tokenizer=False)
 
 
-@pytest.mark.parametrize("spec", ["fp16", "int4:r=32", "kivi2:r=32", "pnmix:r=32", "fp8-e5m2"])
+@pytest.mark.parametrize("spec", ["fp16", "int4:r=32", "kivi2:r=32", "pnmix:r=32", "fp8-e5m2",
+                                  "kivi2:r=32,sink=32", "fp16:window=48,sink=16", "kivi2:r=32,sink=32,window=80",
+                                  "int4:r=32,window=64"])
 def test_paged_window_scores_like_the_dense_cache(tiny, spec):
     model = tiny.model
     tokens = [(11 * i + i * i) % 256 for i in range(600)]

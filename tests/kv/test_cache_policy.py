@@ -192,3 +192,42 @@ def test_gemma_sliding_layers_read_their_window_from_the_cache(tmp_path, spec):
         out = torch.cat([model(ids[:, lo:lo + 24], lo, lossy) for lo in range(0, 120, 24)], dim=1)
     assert torch.allclose(chunked, ref, atol=1e-4)
     assert 0 < (out - ref).abs().max() < ref.abs().max()
+
+
+@pytest.mark.parametrize("spec", ["kivi2:sink=32", "kivi2:sink=32,window=160", "fp16:window=100,sink=16",
+                                  "int4:r=32,window=64"])
+def test_retention_bits_match_the_cache(tiny_llama, spec):
+    """Exact sinks count at 16 bits; evicted tokens count nothing, in the policy and in the cache."""
+    policy = build_policy(tiny_llama.config, spec)
+    cache = QuantizedKVCache(tiny_llama.config, policy, 1, 300, torch.float32)
+    with torch.no_grad():
+        for lo in range(0, 250, 50):
+            tiny_llama(torch.randint(0, 256, (1, 50)), lo, cache)
+    assert policy.bits_at(tiny_llama.config, 250) == pytest.approx(cache.bits_per_element(), rel=1e-3)
+    name, _, settings = spec.partition(":")
+    kept = ",".join(s for s in settings.split(",") if not s.startswith("window"))
+    every_token = build_policy(tiny_llama.config, f"{name}:{kept}" if kept else name)
+    if "window" in spec:  # fewer tokens held
+        assert policy.bits_at(tiny_llama.config, 250) < every_token.bits_at(tiny_llama.config, 250)
+    else:  # the sinks held exact cost bits
+        assert policy.bits_at(tiny_llama.config, 250) > build_policy(tiny_llama.config, name).bits_at(
+            tiny_llama.config, 250)
+
+
+@pytest.mark.parametrize("spec, error", [("kivi2:sink=8", "multiple of 16"), ("kivi2:sink=48", "32-token groups"),
+                                         ("int4:window=128", "must exceed"), ("kivi2:sink=-32", ">= 0")])
+def test_bad_retention_is_refused(spec, error):
+    with pytest.raises(PaperbackError, match=error):
+        parse_kv_scheme(spec)
+
+
+def test_retention_labels():
+    assert parse_kv_scheme("kivi2:sink=32,window=1024").label == "kivi2+sink32+win1024"
+    assert parse_kv_scheme("kivi2:sink=32").format_label == "kivi2"
+
+
+def test_a_retention_window_on_a_sliding_layer_is_refused(tmp_path):
+    config = load_tiny(tmp_path, tiny_hf("gemma3")).config
+    with pytest.raises(PaperbackError, match="already attends a sliding window"):
+        build_policy(config, "kivi2:window=1024")
+    build_policy(config, spec={"default": "kivi2", "layers": {"global": "kivi2:window=1024"}})
