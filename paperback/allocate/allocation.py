@@ -4,6 +4,15 @@ The budget is what a serving process holds: weights + users x KV cache at
 the context + the runtime allowance the planner counts. The objective is the
 profile's predicted KL, the sum of each choice's measured cost, which the
 profile's additivity check validates. Solved exactly (`solver.solve`).
+
+Token retention is part of each layer's KV choice: every quantized format
+also with its first RETENTION_SINK tokens exact (when the profile measured
+that). StreamingLLM eviction (sinks plus a window, the middle dropped) is
+considered only when asked (`evict=True`): it gives up retrieval of anything
+outside the window, which KL on running text does not see. The paged engine
+frees a block only once every layer has evicted it, so eviction is one
+window for all layers: each window is solved exactly on its own and the
+best kept.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
 from paperback.allocate.units import (WeightUnit, fixed_weight_bytes, kv_layer_bytes, parse_kv_candidates,
-                                      parse_weight_candidates, pool_block_size)
+                                      parse_weight_candidates, pool_block_size, with_retention)
 from paperback.errors import PaperbackError
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import runtime_allowance
@@ -88,33 +97,90 @@ class Allocator:
                                     for label, s in self.schemes.items() if allowed is None or label in allowed))
                 for u in self.units]
 
-    def kv_cost(self, layer: int, spec: str) -> float:
-        """A layer's measured KL in a format, scaled to the profile's long window when it has one."""
+    def kv_cost(self, layer: int, spec: str, variant: str | None = None) -> float:
+        """A layer's measured KL in a format (with a retention variant's exact tokens), scaled to the
+        profile's long window when it has one."""
         label = self.labels[spec]
         long = self.profile["kv"].get("long") or {}
-        return self.profile["kv"]["kl"][str(layer)][label] * long.get("scale", {}).get(label, 1.0)
+        table = self.profile["retention"][variant] if variant else self.profile["kv"]["kl"]
+        return table[str(layer)][label] * long.get("scale", {}).get(label, 1.0)
 
-    def kv_groups(self, allowed: set[str] | None = None) -> list[Group]:
+    @property
+    def retention(self) -> dict:
+        """The profile's retention measurements ({} when it has none)."""
+        return self.profile.get("retention") or {}
+
+    def eviction_windows(self) -> list[tuple[int, int]]:
+        """(window at the workload's context, measured window) for each measured eviction window: the same
+        fraction of the context as of the long window it was measured on, in whole blocks."""
+        r = self.retention
+        if not r.get("windows") or not r.get("complete"):
+            return []
+        out = []
+        for measured in r["windows"]:
+            window = int(measured / r["long_tokens"] * self.workload.context) // self.block_size * self.block_size
+            residual = max(f.residual for f in self.formats.values())
+            if residual < window < self.workload.context:
+                out.append((window, measured))
+        return out
+
+    def exact_variants(self) -> dict[str, tuple[int, int]]:
+        """The profile's measured exact-token options: name -> (sinks, recent window or 0 for the format's)."""
+        r = self.retention
+        return {name: tuple(v) for name, v in r.get("variants", {}).items()} if r.get("complete") else {}
+
+    def kv_groups(self, allowed: set[str] | None = None, window: tuple[int, int] | None = None) -> list[Group]:
+        """Per layer, every format, and every quantized one also with each measured exact-token variant
+        (sinks, a short recent window); with `window` (at the context, measured), every option evicts to
+        its sinks and that window, the measured eviction cost added. `allowed` names exact options
+        ('kivi2' is kivi2 alone)."""
         w = self.workload
-        return [Group(f"kv.{i}", tuple(
-            Option(spec, w.users * kv_layer_bytes(s, self.config, i, w.context, self.block_size),
-                   self.kv_cost(i, spec))
-            for spec, s in self.formats.items() if allowed is None or spec in allowed))
-            for i in range(self.config.num_layers)]
+        variants = self.exact_variants()
+        sink = self.retention.get("sink", 0)
+        groups = []
+        for i in range(self.config.num_layers):
+            options = []
+            for spec, scheme in self.formats.items():
+                kinds = [(None, 0, 0)] + [(name, s, r) for name, (s, r) in variants.items() if not scheme.is_native]
+                if window:  # eviction keeps sinks: the measured variants, or fp16's own sinks
+                    kinds = [k for k in kinds if k[0]] or ([(None, sink, 0)] if scheme.is_native else [])
+                for variant, sinks, recent in kinds:
+                    kept = with_retention(spec, sinks, window[0] if window else 0, recent)
+                    if allowed is not None and kept not in allowed:
+                        continue
+                    cost = self.kv_cost(i, spec, variant)
+                    if window:
+                        cost += self.retention["evict"][str(i)][str(window[1])]
+                    stored = parse_kv_candidates([kept], self.config)[0]
+                    options.append(Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context,
+                                                                        self.block_size), cost))
+            groups.append(Group(f"kv.{i}", tuple(options)))
+        return groups
 
     def capacity(self) -> float:
         return self.workload.memory - self.runtime - self.fixed_bytes
 
-    def allocate(self, weight_options: set[str] | None = None, kv_options: set[str] | None = None) -> Allocation:
-        """The least predicted KL within the budget, over the allowed options (all by default)."""
-        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options)
-        if any(not g.options for g in groups):
-            raise PaperbackError("no candidate left to choose from after restricting the options")
-        try:
-            chosen = solve(groups, self.capacity())
-        except InfeasibleBudget:
-            raise InfeasibleBudget(self.infeasible_message(groups)) from None
-        return self._allocation(chosen)
+    def allocate(self, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
+                 evict: bool = False) -> Allocation:
+        """The least predicted KL within the budget, over the allowed options (all by default); with
+        `evict`, also over each measured eviction window."""
+        worlds = [None] + (self.eviction_windows() if evict else [])
+        best, first_groups = None, None
+        for window in worlds:
+            groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, window)
+            if any(not g.options for g in groups):
+                raise PaperbackError("no candidate left to choose from after restricting the options")
+            first_groups = first_groups or groups
+            try:
+                chosen = solve(groups, self.capacity())
+            except InfeasibleBudget:
+                continue
+            allocation = self._allocation(chosen)
+            if best is None or allocation.predicted_kl < best.predicted_kl:
+                best = allocation
+        if best is None:
+            raise InfeasibleBudget(self.infeasible_message(first_groups))
+        return best
 
     def budget_curve(self, points: int = 24) -> list[dict]:
         """Predicted KL of the best allocation at budgets from the least that fits to the most any option

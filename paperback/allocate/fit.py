@@ -15,8 +15,9 @@ from pathlib import Path
 
 from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
-from paperback.allocate.units import BLOCK_UNITS
+from paperback.allocate.units import BLOCK_UNITS, retention_label
 from paperback.errors import DatasetError, PaperbackError
+from paperback.kv.schemes import parse_kv_scheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.calibration import CalibrationConfig
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig
@@ -34,6 +35,7 @@ class FitConfig:
     needle_depths: tuple[float, ...] = (0.25, 0.5, 0.75)
     needle_context: int | None = None  # None: the workload's context, capped by the model's positions
     breakdown_kl: float = 0.5  # predicted KL (nats/token) past which quality counts as broken down
+    evict: bool = False  # may the allocation evict (StreamingLLM: sinks plus a window, one for all layers)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}
@@ -94,7 +96,7 @@ class Fit:
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
         allocator = Allocator(self.profile, self.lm.model, self.config.workload)
-        allocation = allocator.allocate()
+        allocation = allocator.allocate(evict=self.config.evict)
         t0 = time.perf_counter()
         summary = self._quantize(allocation, allocator)
         self.seconds["quantize"] = time.perf_counter() - t0
@@ -160,7 +162,10 @@ class Fit:
         config = self.lm.config
         rows = []
         for layer in range(config.num_layers):
-            row = {"layer": layer, "kv": allocation.kv[layer]}
+            stored = parse_kv_scheme(allocation.kv[layer])
+            recent = None if stored.is_native else stored.residual
+            row = {"layer": layer, "kv": stored.format_label,
+                   "retention": retention_label(stored.sink, stored.window, recent), "kv_spec": allocation.kv[layer]}
             for unit in BLOCK_UNITS:
                 row[unit] = allocation.weights[f"layers.{layer}.{unit}"]
             rows.append(row)

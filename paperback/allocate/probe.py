@@ -36,6 +36,10 @@ class _OneLayerCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         return self.store.append(k, v, start_pos)
 
+    def retention(self, layer_idx: int) -> tuple[int | None, int]:
+        scheme = self.store.scheme
+        return (scheme.window or None), scheme.sink
+
 
 class ReferenceProbe:
     """Exact block inputs and log-probabilities of the full model on windows (N, T) of token ids."""

@@ -8,6 +8,11 @@ rest is held out for evaluation):
 - kv: the KL increase when one layer alone stores its cache in a format,
   read back as served (chunked prefill through the format);
 - tokens: per layer, where the attention mass goes (sinks, recent, middle);
+- retention: the KL when one layer keeps its first RETENTION_SINK tokens
+  exact in each quantized format (with its own recent window, and with a
+  32-token one), and (models without sliding-window layers)
+  when one layer evicts everything but those sinks and a window of a
+  fraction of the long window (StreamingLLM), measured on the long window;
 - additivity: for random mixed assignments, the summed prediction against
   the KL measured with everything applied at once, and their correlation.
 
@@ -36,8 +41,9 @@ from tqdm.auto import tqdm
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.quantized_units import EffectiveWeight, quantize_block
 from paperback.allocate.token_importance import token_importance
-from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT, WeightUnit,
-                                      parse_kv_candidates, parse_weight_candidates, weight_units)
+from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
+                                      RETENTION_SINK, WeightUnit, parse_kv_candidates, parse_weight_candidates,
+                                      weight_units, with_retention)
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.quantization.awq import AWQConfig
@@ -46,6 +52,11 @@ from paperback.quantization.rtn import quantize_rtn
 
 PROFILE_FORMAT = "paperback-profile"
 PROFILE_VERSION = 1
+# Eviction windows measured, as fractions of the long window; the allocator scales them to the context.
+EVICT_FRACTIONS = (0.25, 0.5)
+# Exact-token options measured for every quantized format: name -> (sink tokens, recent window or 0 for the
+# format's own). A short recent window pays for the sinks and more: 96 fewer exact tokens per layer.
+EXACT_VARIANTS = {"sinks": (RETENTION_SINK, 0), "sinks_short_recent": (RETENTION_SINK, 32)}
 # AWQ's searches at profiling size: a sensitivity needs the scheme's error, not the last 1% of it.
 PROFILE_AWQ = AWQConfig(grid=10, clip_grid=10, clip_tokens=256, search_tokens=512)
 
@@ -178,7 +189,7 @@ class Profiler:
                         "schemes": [s.label for s in self.schemes], "kl": {}},
             "kv": {"formats": [f.label for f in self.formats], "specs": list(config.kv_formats), "kl": {},
                    "long": None},
-            "tokens": None, "additivity": None, "seconds": {},
+            "tokens": None, "additivity": None, "retention": None, "seconds": {},
         }
         self.effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = {}
 
@@ -203,6 +214,7 @@ class Profiler:
                 self.data[part]["kl"] = saved.get(part, {}).get("kl", {})
             self.data["kv"]["long"] = saved.get("kv", {}).get("long")
             self.data["additivity"] = saved.get("additivity")
+            self.data["retention"] = saved.get("retention")
             self.data["tokens"] = saved.get("tokens")
             self.data["seconds"] = saved.get("seconds", {})
 
@@ -219,8 +231,24 @@ class Profiler:
                 return cached
         return None
 
+    def _missing_retention(self, finished: dict) -> bool:
+        saved, self.data = self.data, finished
+        try:
+            return self._retention_todo() > 0
+        finally:
+            self.data = saved
+
     def run(self) -> dict:
         finished = self._finished()
+        if finished is not None and self._missing_retention(finished):
+            # A profile from before (some of) retention was measured: add that part, keep the rest.
+            reused = finished.pop("reused_from_cache")
+            self.data = finished
+            self._retention()
+            _atomic_write(self.complete_path, self.data)
+            self.partial_path.unlink(missing_ok=True)
+            self.data["reused_from_cache"] = reused
+            return self.data
         if finished is not None:
             return finished
         self._resume()
@@ -239,6 +267,7 @@ class Profiler:
                                    "layers": token_importance(self.model, self.text.windows)}
             self._timed("tokens", t0)
             self._save_partial()
+        self._retention(probe)
         self._additivity(weight_probe, probe)
         self.data["complete"] = True
         _atomic_write(self.complete_path, self.data)
@@ -340,6 +369,72 @@ class Profiler:
             scale[scheme.label] = kl[scheme.label] / summed if summed > 1e-6 and kl[scheme.label] > 0 else 1.0
         self.data["kv"]["long"] = {"tokens": int(self.text.long_window.shape[1]), "kl": kl, "scale": scale}
         self._timed("kv", t0)
+        self._save_partial()
+
+    # --- retention ------------------------------------------------------------------------------------------
+    def _retention_todo(self) -> int:
+        """Cells of the retention part still to measure (0: complete)."""
+        r = self.data.get("retention") or {}
+        config = self.model.config
+        layers = range(config.num_layers)
+        quantized = [f.label for f in self.formats if not f.is_native]
+        todo = sum(1 for name in EXACT_VARIANTS for i in layers for label in quantized
+                   if label not in r.get(name, {}).get(str(i), {}))
+        return todo + sum(1 for i in layers for w in self._evict_windows()
+                          if str(w) not in r.get("evict", {}).get(str(i), {}))
+
+    def _evict_windows(self) -> list[int]:
+        config, long_window = self.model.config, self.text.long_window
+        if long_window is None or any(config.window_of(i) is not None for i in range(config.num_layers)):
+            return []  # sliding-window layers never evict in the engine, so neither does the pool
+        return [int(f * long_window.shape[1]) for f in EVICT_FRACTIONS]
+
+    def _retention(self, probe: ReferenceProbe | None = None) -> None:
+        """Per layer and quantized format, each EXACT_VARIANTS option (short windows, like `kv`); and, where
+        every layer may evict, fp16 with sinks and a window of each EVICT_FRACTIONS of the long window."""
+        todo = self._retention_todo()
+        if todo == 0:
+            return
+        t0 = time.perf_counter()
+        cfg, config = self.config, self.model.config
+        done = self.data.get("retention") or {}
+        windows = self._evict_windows()
+        long_window = self.text.long_window
+        r = self.data["retention"] = {
+            "sink": RETENTION_SINK, "variants": {name: list(v) for name, v in EXACT_VARIANTS.items()},
+            **{name: done.get(name, {}) for name in EXACT_VARIANTS}, "windows": windows,
+            "evict": done.get("evict", {}), "long_tokens": int(long_window.shape[1]) if long_window is not None
+            else None, "complete": False}
+        bar = tqdm(total=todo, desc="profile retention", unit="cell", disable=None if self.progress else True,
+                   leave=False)
+        quantized = [(spec, f) for spec, f in zip(cfg.kv_formats, self.formats) if not f.is_native]
+        layers = range(config.num_layers)
+        for i in layers:
+            for name, (sink, recent) in EXACT_VARIANTS.items():
+                for spec, scheme in quantized:
+                    if scheme.label in r[name].get(str(i), {}):
+                        continue
+                    if probe is None:
+                        probe = ReferenceProbe(self.model, self.text.windows, cfg.kv_chunk, cfg.score_stride)
+                    kept = parse_kv_candidates([with_retention(spec, sink, recent=recent)], config)[0]
+                    r[name].setdefault(str(i), {})[scheme.label] = probe.kl_with_kv(i, kept)
+                    bar.update()
+            self._save_partial()
+        if windows:
+            long = None
+            for i in layers:
+                for w in windows:
+                    if str(w) in r["evict"].get(str(i), {}):
+                        continue
+                    if long is None:
+                        long = ReferenceProbe(self.model, long_window, cfg.kv_chunk, 4 * cfg.score_stride)
+                    scheme = parse_kv_candidates([with_retention("fp16", RETENTION_SINK, w)], config)[0]
+                    r["evict"].setdefault(str(i), {})[str(w)] = long.kl_with_kv(i, scheme)
+                    bar.update()
+                self._save_partial()
+        bar.close()
+        r["complete"] = True
+        self._timed("retention", t0)
         self._save_partial()
 
     # --- additivity -----------------------------------------------------------------------------------------

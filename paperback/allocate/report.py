@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paperback.allocate.fit import needle_score
 from paperback.allocate.units import BLOCK_UNITS
+from paperback.kv.schemes import parse_kv_scheme
 
 
 def _png(fig) -> str:
@@ -71,6 +72,7 @@ def _layers_plot(result: dict, schemes: list[str], formats: list[str]) -> str:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
+    formats = [parse_kv_scheme(spec).format_label for spec in formats]
     kv_order = {label: i for i, label in enumerate(formats)}
     colors = plt.get_cmap("tab10").colors[: len(formats)]
     ax2.imshow([[kv_order[row["kv"]] for row in layers]], aspect="auto", cmap=ListedColormap(colors), vmin=-0.5,
@@ -161,20 +163,21 @@ def render_report(result: dict, profile: dict) -> str:
               'alt="per-layer choices">']
     head = a["weights"].get("head")
     token_layers = (result.get("tokens") or {}).get("layers") or []
-    header = ["layer", *BLOCK_UNITS, "KV format", "sink mass", "recent mass", "middle mass"]
+    header = ["layer", *BLOCK_UNITS, "KV format", "retention", "sink mass", "recent mass", "middle mass"]
     table_rows = []
     for row in result["layers"]:
         t = token_layers[row["layer"]] if row["layer"] < len(token_layers) else {}
-        table_rows.append([row["layer"], *(row[u] for u in BLOCK_UNITS), row["kv"],
+        table_rows.append([row["layer"], *(row[u] for u in BLOCK_UNITS), row["kv"], row.get("retention", "all"),
                            *(f"{t[k]:.2f}" if k in t else "" for k in ("sink_mass", "recent_mass", "middle_mass"))])
     parts.append(_table(header, table_rows))
     if head:
         tied = " (tied to the embedding)" if profile["model"]["config"].get("tie_word_embeddings") else ""
         parts.append(f"<p>Output head{tied}: {html.escape(head)}. Weight bits over the allocated units: "
                      f"{a['bits_per_weight']:.2f}.</p>")
-    parts.append("<p class=note>Token retention: every layer keeps all its tokens in this version; the attention "
-                 "mass columns (queries in the second half of a profiling window: first 4 tokens, last 128, the "
-                 "rest) show where retention could save more.</p>")
+    parts.append("<p class=note>Retention: 'all' keeps every token in the layer's format; 'sinks N exact' keeps "
+                 "the first N tokens at 16 bits as well; 'sinks N + last W' evicts everything else (StreamingLLM, "
+                 "chosen only with --evict). The attention mass columns (queries in the second half of a "
+                 "profiling window: first 4 tokens, last 128, the rest) show where each layer reads.</p>")
     add = profile.get("additivity")
     parts.append("<h2>Predicted against measured quality</h2>")
     if add:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paperback.errors import PaperbackError
+from paperback.kv.families import DEFAULT_CANDIDATES
 from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import parse_weight_scheme
@@ -30,7 +31,7 @@ BLOCK_UNITS = {
 HEAD_UNIT = "head"
 FULL_PRECISION_LABEL = "fp16"  # an unquantized option, counted at 16 bits
 DEFAULT_WEIGHT_SCHEMES = ("W8s-ch", "W4a-g128", "W4a-g64", "W3a-g128", "W3a-g64", "W2a-g64")
-DEFAULT_KV_FORMATS = ("fp16", "fp8", "int8", "int4", "kivi4", "kivi2", "pnmix")
+DEFAULT_KV_FORMATS = DEFAULT_CANDIDATES  # each KV family names its own (paperback.kv.families)
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,33 @@ def parse_kv_candidates(specs, config: ModelConfig) -> list[KVScheme]:
     formats = [parse_kv_scheme(spec) for spec in specs]
     for scheme in formats:
         scheme.check_head_dim(config.head_dim)
-        if scheme.family == "fp8" and scheme.scale == "calibrated":
-            raise PaperbackError("calibrated FP8 is not an allocation candidate yet: use fp8 (scale 1)")
+        if scheme.needs_calibration:
+            raise PaperbackError(f"{scheme.label} needs calibration and is not an allocation candidate yet: "
+                                 "use its uncalibrated form (fp8, scale 1)")
     if not formats:
         raise PaperbackError("no KV formats to choose from")
     return formats
+
+
+RETENTION_SINK = 32  # exact attention-sink tokens a retention option keeps (a whole 32-token group)
+
+
+def with_retention(spec: str, sink: int = 0, window: int = 0, recent: int = 0) -> str:
+    """A KV spec with retention settings added: ('kivi2', 32) -> 'kivi2:sink=32'; recent > 0 sets the exact
+    recent window (r)."""
+    settings = [f"sink={sink}"] * bool(sink) + [f"window={window}"] * bool(window) + [f"r={recent}"] * bool(recent)
+    if not settings:
+        return spec
+    return spec + ("," if ":" in spec else ":") + ",".join(settings)
+
+
+def retention_label(sink: int, window: int, recent: int | None = None) -> str:
+    exact = f"recent {recent} exact" if recent is not None else ""
+    if window:
+        text = f"sinks {sink} + last {window}"
+    else:
+        text = f"sinks {sink} exact" if sink else "all"
+    return f"{text}, {exact}" if exact else text
 
 
 def kv_layer_bytes(scheme: KVScheme, config: ModelConfig, layer: int, context: int, block_size: int) -> float:

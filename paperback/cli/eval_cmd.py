@@ -7,6 +7,7 @@ import argparse
 from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
 from paperback.cli.output import print_json, print_table
 from paperback.evaluation import DATASETS
+from paperback.kv.families import NAMED
 
 
 def register(sub) -> None:
@@ -27,9 +28,10 @@ def register(sub) -> None:
                               "every earlier token is read back from the cache as stored. The reference is "
                               "then the same model with exact attention (unless --reference is given).")
     kv.add_argument("--kv", default=None,
-                    help="KV format for every layer: fp16, bf16, fp8[-e4m3|-e5m2], int8, int4, int2, kivi2, "
-                         "kivi4, pnmix, with settings as NAME:key=value,... (e.g. kivi2:g=64,r=64, "
-                         "fp8:scale=calibrated, pnmix:hi=8,lo=1,top=6)")
+                    help="KV format for every layer: " + ", ".join(NAMED) + ", with settings as "
+                         "NAME:key=value,... (e.g. kivi2:g=64,r=64, fp8:scale=calibrated, pnmix:hi=8,lo=1,top=6); "
+                         "any format also takes token retention: sink=S keeps the first S tokens exact, "
+                         "window=W evicts all but the sinks and the last W (StreamingLLM)")
     kv.add_argument("--kv-policy", default=None, help="JSON policy file: default format, per-layer formats, "
                                                       "skip_layers")
     kv.add_argument("--kv-skip-layers", default=None,

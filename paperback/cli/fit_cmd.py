@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
+from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
@@ -29,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--text", default="pydoc",
                    help="your text (file or data set name): its first half is profiled and calibrated on, the "
                         "rest is held out for evaluation (default: the Python documentation)")
-    p.add_argument("--method", choices=["awq", "gptq", "rtn"], default="awq", help="weight method (default awq)")
+    p.add_argument("--method", choices=METHODS, default="awq", help="weight method (default awq)")
     p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES), help="candidate weight schemes")
     p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS), help="candidate KV formats")
     p.add_argument("--profile", type=Path, default=None,
@@ -44,6 +45,9 @@ def register(sub) -> None:
                    help="depths of the needles retrieved at the target context, comma-separated (default "
                         "0.25,0.5,0.75)")
     p.add_argument("--no-needles", action="store_true", help="skip needle retrieval at the target context")
+    p.add_argument("--evict", action="store_true",
+                   help="let the allocation evict old tokens (StreamingLLM: attention sinks plus a window, one "
+                        "window for every layer); it cannot retrieve what it evicted, so it is off by default")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                             additivity_samples=args.additivity_samples)
     parse_weight_candidates(profile.weight_schemes)
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
-                       () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl)
+                       () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,
+                       evict=args.evict)
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
+from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
@@ -27,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--text", default="pydoc",
                    help="text file (or data set name) to profile on; its leading --span is read, the rest is "
                         "left for evaluation (default: the Python documentation)")
-    p.add_argument("--method", choices=["awq", "gptq", "rtn"], default="awq", help="weight method (default awq)")
+    p.add_argument("--method", choices=METHODS, default="awq", help="weight method (default awq)")
     p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES),
                    help="comma-separated candidate schemes, like W4a-g128 (W<bits><a|s>-<g<size>|ch>)")
     p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS),
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
                 ["scheme", "sum over units", "most sensitive", "KL", "least sensitive", "KL"], summary["weights"])
     print_table("KV layers: KL when one layer alone stores its cache in a format",
                 ["format", "sum over layers", "most sensitive layer", "KL"], summary["kv"])
+    if summary["retention"]:
+        print_table("retention: summed KL over layers, one layer at a time",
+                    ["option", "sum over layers", "most sensitive layer", "KL"], summary["retention"])
     add = summary["additivity"]
     if add:
         note(f"additivity: {add['samples']} mixed assignments, predicted vs measured KL: Pearson "
@@ -100,7 +104,20 @@ def profile_summary(data: dict) -> dict:
         per_layer = {layer: options[label] for layer, options in data["kv"]["kl"].items()}
         top = max(per_layer, key=per_layer.get)
         kv.append([label, f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
+    retention = []
+    r = data.get("retention") or {}
+    for label in data["kv"]["formats"]:
+        per_layer = {layer: options[label] for layer, options in r.get("sinks", {}).items() if label in options}
+        if per_layer:
+            top = max(per_layer, key=per_layer.get)
+            retention.append([f"{label}, first {r['sink']} exact", f"{sum(per_layer.values()):.5f}", top,
+                              f"{per_layer[top]:.5f}"])
+    for window in r.get("windows", []):
+        per_layer = {layer: options[str(window)] for layer, options in r.get("evict", {}).items()}
+        top = max(per_layer, key=per_layer.get)
+        retention.append([f"fp16, sinks {r['sink']} + last {window} of {r['long_tokens']}",
+                          f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
     add = data.get("additivity")
-    return {"weights": weights, "kv": kv,
+    return {"weights": weights, "kv": kv, "retention": retention,
             "additivity": {k: v for k, v in add.items() if k != "points"} if add else None,
             "seconds": data.get("seconds", {})}

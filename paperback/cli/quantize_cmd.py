@@ -7,6 +7,7 @@ from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg
 from paperback.cli.output import note, print_json, print_table
+from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
@@ -18,7 +19,7 @@ def register(sub) -> None:
                                    "command accepts the output directory as MODEL.")
     add_model_arg(p)
     p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
-    p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="gptq")
+    p.add_argument("--method", choices=METHODS, default="gptq")
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=int, default=128, help="input features per group; 0 = per output channel")
     p.add_argument("--sym", action="store_true", help="symmetric (no zero points)")

@@ -39,8 +39,8 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv", default=None,
                    help="KV cache format of every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, pnmix, "
-                        "with settings as in `paperback eval --kv`); default: the policy a fitted checkpoint "
-                        "carries, else fp32")
+                        "with settings and retention (sink=, window=) as in `paperback eval --kv`); default: the "
+                        "policy a fitted checkpoint carries, else fp32")
     p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
     p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
     p.add_argument("--kv-memory", default=None, help="memory for the KV block pool (default 1GiB)")

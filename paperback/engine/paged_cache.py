@@ -60,26 +60,14 @@ class _Layer:
             self.keys = torch.zeros((num_blocks, *shape), dtype=store, device=device)
             self.values = torch.zeros((num_blocks, *shape), dtype=store, device=device)
             return
-        if self.scheme.family == "fp8" and self.scheme.scale == "calibrated" and amax is None:
-            raise PaperbackError(f"layer {idx} uses calibrated FP8 scales; no calibration was given")
-        self.key_codec, self.value_codec = self.scheme.codecs(amax)
+        self.key_codec, self.value_codec = self.scheme.layer_codecs(idx, None if amax is None else {idx: amax})
         probe = torch.zeros((1, *shape), device=device)
         self.key_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
-                           for n, t in self._encode(self.key_codec, probe).items()}
+                           for n, t in self.key_codec.field_shapes(probe).items()}
         self.value_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
-                             for n, t in self._encode(self.value_codec, probe).items()}
+                             for n, t in self.value_codec.field_shapes(probe).items()}
         self.stage_keys = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
         self.stage_values = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
-
-    @staticmethod
-    def _encode(codec, x):
-        """Encode x; for PN-Mix, under a throwaway ranking (only the field shapes are wanted)."""
-        if hasattr(codec, "selection") and codec.selection is None:
-            codec.select(torch.ones(1, x.shape[1], x.shape[2], x.shape[3], device=x.device), x + 1)
-            fields = codec.encode(x)
-            codec.selection = None
-            return fields
-        return codec.encode(x)
 
     def tensors(self) -> list[torch.Tensor]:
         if self.native:
@@ -227,16 +215,17 @@ class PagedKVPool:
 
         def read_staged(idx: torch.Tensor):
             slots = torch.tensor([state.stage[b] for b in idx.tolist()], dtype=torch.long, device=self.device)
-            return layer.stage_keys.index_select(0, slots).to(dtype), layer.stage_values.index_select(0, slots).to(dtype)
+            keys, values = layer.stage_keys.index_select(0, slots), layer.stage_values.index_select(0, slots)
+            return keys.to(dtype), values.to(dtype)
 
         def read(idx: torch.Tensor):
             # In block order: exact sinks, encoded blocks, then the staged recent blocks.
             parts = [(read_staged, idx < sinks), (read_encoded, (idx >= sinks) & (idx < flushed)),
                      (read_staged, idx >= max(flushed, sinks))]
-            read = [reader(idx[chosen]) for reader, chosen in parts if chosen.any()]
-            if len(read) == 1:
-                return read[0]
-            return torch.cat([k for k, _ in read]), torch.cat([v for _, v in read])
+            blocks = [reader(idx[chosen]) for reader, chosen in parts if chosen.any()]
+            if len(blocks) == 1:
+                return blocks[0]
+            return torch.cat([k for k, _ in blocks]), torch.cat([v for _, v in blocks])
 
         return read
 
@@ -272,9 +261,9 @@ class PagedKVPool:
         return min(full, self.seqs[seq_id].all_flushed) if self.quantized else full
 
     def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        codec = getattr(self.layers[layer_idx], "key_codec", None)
-        if codec is not None and hasattr(codec, "observe"):
-            codec.observe(q, k)
+        layer = self.layers[layer_idx]
+        if not layer.native:
+            layer.key_codec.observe(q, k)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from paperback.errors import ContextLengthError, PaperbackError
-from paperback.kv.codecs import Fields, FP8Codec, KVCodec, PairMixCodec, append, fields_bytes
+from paperback.kv.codecs import Fields, KVCodec, append, fields_bytes
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
 from paperback.models.config import ModelConfig
@@ -92,7 +92,7 @@ class LayerStore:
             if kept > 0:  # whole groups of a chunk the window still covers
                 encoded += (fields_bytes(key) + fields_bytes(value)) * kept / (hi - lo)
         exact = min(self.length, self.scheme.sink) + max(0, self.length - max(self.encoded, first_kept))
-        scales = sum(c.scale_bytes() for c in (self.key_codec, self.value_codec) if isinstance(c, FP8Codec))
+        scales = self.key_codec.scale_bytes() + self.value_codec.scale_bytes()
         return int(encoded) + exact * token_bits // 8 + scales
 
 
@@ -111,19 +111,11 @@ class QuantizedKVCache:
         self.layers: list[LayerStore] = []
         for i in range(config.num_layers):
             scheme = policy.scheme_for(i)
-            if scheme.family == "fp8" and scheme.scale == "calibrated":
-                if kv_amax is None or i not in kv_amax:
-                    raise PaperbackError(f"layer {i} uses calibrated FP8 scales; no calibration was given")
-                codecs = scheme.codecs(kv_amax[i])
-            else:
-                codecs = scheme.codecs()
-            self.layers.append(LayerStore(scheme, codecs, shape, dtype, device))
+            self.layers.append(LayerStore(scheme, scheme.layer_codecs(i, kv_amax), shape, dtype, device))
 
     def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Each chunk's rotated queries and keys: PN-Mix ranks key pairs on those seen before its first encode."""
-        codec = self.layers[layer_idx].key_codec
-        if isinstance(codec, PairMixCodec):
-            codec.observe(q, k)
+        """Each chunk's rotated queries and keys, for a key codec that ranks channels on them (PN-Mix)."""
+        self.layers[layer_idx].key_codec.observe(q, k)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         return self.layers[layer_idx].append(k, v, start_pos)

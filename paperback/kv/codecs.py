@@ -54,6 +54,17 @@ class KVCodec(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise before any work when this codec cannot store D channels."""
 
+    def observe(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Each chunk's rotated queries and keys, before it is stored (a codec that ranks channels uses them)."""
+
+    def scale_bytes(self) -> int:
+        """Bytes stored once per layer, beside the per-element bits (calibrated scales)."""
+        return 0
+
+    def field_shapes(self, x: torch.Tensor) -> Fields:
+        """What encoding x gives, for sizing storage before any real data is seen."""
+        return self.encode(x)
+
     def _check_tokens(self, x: torch.Tensor) -> None:
         if x.shape[-2] % self.token_group:
             raise PaperbackError(f"{type(self).__name__} encodes whole groups of {self.token_group} tokens, "
@@ -256,6 +267,15 @@ class PairMixCodec(KVCodec):
 
     def select(self, q: torch.Tensor, k: torch.Tensor) -> None:
         self.selection = rank_rope_pairs(q, k, self.top_pairs)
+
+    def field_shapes(self, x: torch.Tensor) -> Fields:
+        """Encoded under a throwaway ranking (only the shapes are wanted); the real one is still to come."""
+        if self.selection is not None:
+            return self.encode(x)
+        self.select(torch.ones(1, x.shape[-3], x.shape[-2], x.shape[-1], device=x.device), x + 1)
+        fields = self.encode(x)
+        self.selection = None
+        return fields
 
     def _split(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.selection is None and self._norms is not None:

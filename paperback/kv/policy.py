@@ -40,7 +40,7 @@ class KVPolicy:
         return f"{self.default.label} (+{len(self.overrides)} layer overrides)"
 
     def needs_fp8_calibration(self, num_layers: int) -> bool:
-        return any(s.family == "fp8" and s.scale == "calibrated" for s in map(self.scheme_for, range(num_layers)))
+        return any(s.needs_calibration for s in map(self.scheme_for, range(num_layers)))
 
     def bits_per_element(self, config: ModelConfig) -> float:
         """Steady-state stored bits per cached element (recent window not counted), averaged over layers."""

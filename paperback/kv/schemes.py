@@ -29,17 +29,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from paperback.errors import PaperbackError
-from paperback.kv.calibrate import fp8_scale
-from paperback.kv.codecs import ChannelIntCodec, FP8Codec, KVCodec, NativeCodec, PairMixCodec, TokenIntCodec
+from paperback.kv.codecs import KVCodec
+from paperback.kv.families import FAMILIES, NAMED, NATIVE  # noqa: F401  (NATIVE: re-exported for the caches)
 
-NATIVE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SINK_UNIT = 16  # sinks fill whole blocks of the paged engine's smallest block size
-FAMILIES = ("native", "fp8", "int", "kivi", "pnmix")
 
 
 @dataclass(frozen=True)
 class KVScheme:
-    family: str  # native | fp8 | int | kivi | pnmix
+    family: str  # a key of paperback.kv.families.FAMILIES
     bits: int = 16  # code bits (for pnmix: the low bits of keys)
     dtype: str = "fp16"  # native: fp16 / bf16 / fp32; fp8: e4m3 / e5m2
     channel_group: int = 32  # channels per group, per-token codecs (int: both; kivi/pnmix: values)
@@ -82,15 +80,12 @@ class KVScheme:
     @property
     def format_label(self) -> str:
         """The label of the format alone, retention left out."""
-        if self.family == "native":
-            return self.dtype
-        if self.family == "fp8":
-            return f"fp8-{self.dtype}" + ("-cal" if self.scale == "calibrated" else "")
-        if self.family == "int":
-            return f"int{self.bits}"
-        if self.family == "kivi":
-            return f"kivi{self.bits}"
-        return f"pnmix{self.high_bits}/{self.bits}x{self.top_pairs}"
+        return FAMILIES[self.family].label(self)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether encoding needs each layer's observed amax first (calibrated FP8 scales)."""
+        return FAMILIES[self.family].calibrated(self)
 
     @property
     def is_native(self) -> bool:
@@ -101,19 +96,17 @@ class KVScheme:
         return min(tokens, self.sink + self.window - 1) if self.window else tokens
 
     def codecs(self, amax: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[KVCodec, KVCodec]:
-        """(key codec, value codec). Calibrated FP8 takes this layer's (key, value) amax per KV head."""
-        if self.family == "native":
-            return NativeCodec(NATIVE[self.dtype]), NativeCodec(NATIVE[self.dtype])
-        if self.family == "fp8":
-            if self.scale == "1" or amax is None:
-                return FP8Codec(self.dtype, 1.0), FP8Codec(self.dtype, 1.0)
-            return tuple(FP8Codec(self.dtype, fp8_scale(a, self.dtype, self.per_head)) for a in amax)
-        if self.family == "int":
-            return TokenIntCodec(self.bits, self.channel_group), TokenIntCodec(self.bits, self.channel_group)
-        if self.family == "kivi":
-            return ChannelIntCodec(self.bits, self.token_group), TokenIntCodec(self.bits, self.channel_group)
-        return (PairMixCodec(self.high_bits, self.bits, self.top_pairs, self.token_group),
-                TokenIntCodec(self.value_bits, self.channel_group))
+        """(key codec, value codec). A calibrated format takes this layer's (key, value) amax per KV head;
+        without it, codecs of the right shapes and bytes (for sizing, never for storing)."""
+        return FAMILIES[self.family].codecs(self, amax)
+
+    def layer_codecs(self, layer: int, kv_amax: dict | None) -> tuple[KVCodec, KVCodec]:
+        """The codecs layer `layer` stores with, refusing a calibrated format with no calibration given."""
+        if not self.needs_calibration:
+            return self.codecs()
+        if kv_amax is None or layer not in kv_amax:
+            raise PaperbackError(f"layer {layer} uses {self.label}, which needs calibration; none was given")
+        return self.codecs(kv_amax[layer])
 
     @property
     def flush_group(self) -> int:
@@ -172,21 +165,6 @@ class KVScheme:
         return {"label": self.label, **asdict(self)}
 
 
-# name -> (family, defaults)
-_NAMED = {
-    "fp16": ("native", {"dtype": "fp16"}),
-    "bf16": ("native", {"dtype": "bf16"}),
-    "fp32": ("native", {"dtype": "fp32"}),
-    "fp8": ("fp8", {"dtype": "e4m3", "bits": 8}),
-    "fp8-e4m3": ("fp8", {"dtype": "e4m3", "bits": 8}),
-    "fp8-e5m2": ("fp8", {"dtype": "e5m2", "bits": 8}),
-    "int8": ("int", {"bits": 8, "channel_group": 32, "residual": 128}),
-    "int4": ("int", {"bits": 4, "channel_group": 32, "residual": 128}),
-    "int2": ("int", {"bits": 2, "channel_group": 32, "residual": 128}),
-    "kivi2": ("kivi", {"bits": 2, "channel_group": 32, "token_group": 32, "residual": 128}),
-    "kivi4": ("kivi", {"bits": 4, "channel_group": 32, "token_group": 32, "residual": 128}),
-    "pnmix": ("pnmix", {"bits": 2, "channel_group": 32, "token_group": 32, "residual": 128}),
-}
 # Setting names in specs -> dataclass fields, with their parsers.
 _SETTINGS = {
     "g": ("token_group", int), "vg": ("channel_group", int), "r": ("residual", int), "bits": ("bits", int),
@@ -214,17 +192,16 @@ def paged_block_size(schemes, base: int = 16) -> int:
 def parse_kv_scheme(spec: str) -> KVScheme:
     """'kivi2', 'int4:vg=32,r=64', 'fp8-e5m2:scale=calibrated', 'pnmix:hi=8,lo=1,top=6' -> KVScheme."""
     name, _, rest = spec.strip().partition(":")
-    if name not in _NAMED:
-        raise PaperbackError(f"unknown KV format '{name}' (choose from {', '.join(_NAMED)})")
-    family, fields = _NAMED[name]
+    if name not in NAMED:
+        raise PaperbackError(f"unknown KV format '{name}' (choose from {', '.join(NAMED)})")
+    family, fields = NAMED[name]
     fields = dict(fields)
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in _SETTINGS:
             raise PaperbackError(f"bad KV setting '{item}' in '{spec}' (settings: {', '.join(_SETTINGS)})")
         field_name, parse = _SETTINGS[key]
-        if family == "int" and key == "g":  # per-token formats group channels, not tokens
-            field_name = "channel_group"
+        field_name = FAMILIES[family].aliases.get(key, field_name)
         try:
             fields[field_name] = parse(value)
         except ValueError:

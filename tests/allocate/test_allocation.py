@@ -7,6 +7,7 @@ from paperback.allocate.allocation import Allocator, Workload
 from paperback.allocate.profile import ProfileConfig, Profiler
 from paperback.allocate.solver import InfeasibleBudget
 from paperback.kv.policy import build_policy
+from paperback.kv.schemes import parse_kv_scheme
 from paperback.plan.arithmetic import kv_bytes
 from paperback.plan.shape import shape_from_config
 
@@ -42,7 +43,7 @@ def test_allocation_fits_the_budget_and_improves_with_it(profile, tiny_lm):
             assert allocation.predicted_kl <= previous + 1e-12
         previous = allocation.predicted_kl
     assert set(allocation.weights.values()) == {"W8s-ch"}  # all the room it wants: the best everywhere
-    assert set(allocation.kv.values()) <= {"fp16", "int8:r=32"}
+    assert {parse_kv_scheme(spec).format_label for spec in allocation.kv.values()} <= {"fp16", "int8"}
 
 
 def test_kv_bytes_agree_with_the_planner(profile, tiny_lm, tmp_path):
@@ -53,8 +54,7 @@ def test_kv_bytes_agree_with_the_planner(profile, tiny_lm, tmp_path):
     policy_file = tmp_path / "policy.json"
     policy_file.write_text(json.dumps(allocation.kv_policy_spec()))
     policy = build_policy(tiny_lm.config, policy_file=policy_file)
-    assert [policy.scheme_for(i).label for i in range(2)] == [
-        {"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[allocation.kv[i]] for i in range(2)]
+    assert [policy.scheme_for(i) for i in range(2)] == [parse_kv_scheme(allocation.kv[i]) for i in range(2)]
     planned = kv_bytes(shape_from_config(tiny_lm.config, "tiny", ""), 300, policy, users=3, block_size=32)
     assert allocation.kv_bytes == pytest.approx(planned)
 
@@ -95,3 +95,22 @@ def test_the_shipped_profile_is_the_bundled_models_and_allocates_quietly(smollm2
     allocation = Allocator(profile, smollm2.model, Workload(800 * 2 ** 20, 8192, 8)).allocate()
     assert capfd.readouterr().out == ""
     assert allocation.total_bytes <= 800 * 2 ** 20 and len(set(allocation.weights.values())) > 1
+
+
+def test_retention_options_come_from_the_profile_and_are_counted_like_the_planner(profile, tiny_lm):
+    """Exact sinks are a per-layer option; eviction (asked for) is one window for every layer."""
+    retention = profile["retention"]
+    assert retention["complete"] and retention["sink"] == 32
+    assert set(retention["sinks"]["0"]) == {"int8", "kivi2"}  # every quantized format, with its sinks exact
+    assert retention["windows"] and all(len(retention["evict"][str(i)]) == len(retention["windows"])
+                                        for i in range(2))
+    low, high = smallest_and_largest(Allocator(profile, tiny_lm.model, Workload(10 ** 12, 400, 3)))
+    tight = Allocator(profile, tiny_lm.model, Workload(int(low), 400, 3))
+    kept = tight.allocate()
+    evicting = tight.allocate(evict=True)
+    schemes = [parse_kv_scheme(evicting.kv[i]) for i in range(2)]
+    assert all(s.window for s in schemes) and len({s.window for s in schemes}) == 1
+    assert evicting.predicted_kl <= kept.predicted_kl and evicting.total_bytes <= low
+    policy = build_policy(tiny_lm.config, spec=evicting.kv_policy_spec())
+    planned = kv_bytes(shape_from_config(tiny_lm.config, "tiny", ""), 400, policy, users=3, block_size=32)
+    assert evicting.kv_bytes == pytest.approx(planned)

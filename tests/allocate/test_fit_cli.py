@@ -6,6 +6,7 @@ import pytest
 
 from helpers import tiny_llama_hf
 from paperback.cli import main
+from paperback.kv.schemes import parse_kv_scheme
 
 SMALL = ["--method", "rtn", "--weight-schemes", "W8s-ch,W4a-g64,W2a-g64", "--kv-formats", "fp16,int8:r=32,kivi2:r=32",
          "--window-tokens", "128", "--weight-tokens", "64", "--additivity-samples", "3"]
@@ -68,15 +69,13 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
 
     llm = LLM(str(out), kv_memory=64 * 2 ** 20)
     layers = [layer.scheme.label for layer in llm.engine.pool.layers]
-    assert layers == [{"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[result["allocation"]["kv"][str(i)]]
-                      for i in range(2)]
+    assert layers == [parse_kv_scheme(result["allocation"]["kv"][str(i)]).label for i in range(2)]
     assert len(llm.generate(["Hello there"], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
     # eval on the checkpoint with no KV flags reads through the fitted policy.
     assert main(["eval", str(out), "--data", "pydoc", "--context", "128", "--max-windows", "1", "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["kv"]["from_checkpoint"] and evaluated["kv"]["layers"] == [
-        {"fp16": "fp16", "int8:r=32": "int8", "kivi2:r=32": "kivi2"}[result["allocation"]["kv"][str(i)]]
-        for i in range(2)]
+        parse_kv_scheme(result["allocation"]["kv"][str(i)]).label for i in range(2)]
 
 
 def test_fit_refuses_a_budget_below_the_smallest_model_before_work(tiny_dir, tmp_path, capsys):
@@ -103,12 +102,13 @@ def test_profile_refuses_an_unknown_model(tmp_path, capsys):
 def test_fit_report_is_self_contained(tiny_dir, tmp_path, cache, capsys):
     out = tmp_path / "fitted"
     argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--needle-depths", "0.5",
-            "--cache-dir", str(cache), "--eval-context", "128", "--eval-windows", "1", *SMALL]
+            "--cache-dir", str(cache), "--eval-context", "128", "--eval-windows", "1", "--evict", *SMALL]
     assert main(argv) == 0
+    assert json.loads((out / "fit.json").read_text())["config"]["evict"]
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 4
     for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
-                    "Breakdown point", "Pearson", "needles at"):
+                    "Breakdown point", "Pearson", "needles at", "retention"):
         assert section in page
     # Nothing is fetched from elsewhere: no URL other than the embedded images.
     import re

@@ -78,8 +78,12 @@ def test_interrupted_profile_resumes_and_never_looks_complete(profiler, tiny_lm,
     again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
                      progress=False)
     data = again.run()
-    # Only the KV layers were left to measure (one kl_from per layer and format); weights were kept.
-    assert len(calls) == 2 * 2 and data["complete"]
+    # Only the KV layers (one kl_from per layer and format) and the retention options were left to measure;
+    # weights were kept.
+    r = data["retention"]
+    retention_cells = sum(len(cells) for name in [*r["variants"], "evict"] for cells in r[name].values())
+    assert retention_cells == 2 * (2 * 1 + len(r["windows"])) and len(r["windows"]) == 2  # per layer: 2 x kivi2
+    assert len(calls) == 2 * 2 + retention_cells and data["complete"]
     assert not again.partial_path.exists()
     reused = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
                       progress=False).run()

@@ -133,7 +133,7 @@ def test_calibrated_fp8_uses_the_observed_range(tiny_llama):
     cache = QuantizedKVCache(tiny_llama.config, policy, 1, 64, torch.float32, kv_amax=amax)
     key_codec = cache.layers[0].key_codec
     assert torch.allclose(key_codec.scale.flatten(), amax[0][0] / 448)
-    with pytest.raises(PaperbackError, match="no calibration"):
+    with pytest.raises(PaperbackError, match="needs calibration; none was given"):
         QuantizedKVCache(tiny_llama.config, policy, 1, 64, torch.float32)
 
 
@@ -231,3 +231,25 @@ def test_a_retention_window_on_a_sliding_layer_is_refused(tmp_path):
     with pytest.raises(PaperbackError, match="already attends a sliding window"):
         build_policy(config, "kivi2:window=1024")
     build_policy(config, spec={"default": "kivi2", "layers": {"global": "kivi2:window=1024"}})
+
+
+def test_a_new_family_is_one_registry_entry(tiny_llama, monkeypatch):
+    """A format added to paperback.kv.families alone is parsed, stored, served in pages and counted."""
+    from paperback.engine.paged_cache import PagedKVPool
+    from paperback.kv import families
+    from paperback.kv.codecs import TokenIntCodec
+
+    family = families.KVFamily("int3sym", lambda s, amax: (TokenIntCodec(3, 16), TokenIntCodec(3, 16)),
+                               lambda s: "int3sym", {"int3sym": {"bits": 3, "residual": 16}})
+    monkeypatch.setitem(families.FAMILIES, "int3sym", family)
+    monkeypatch.setitem(families.NAMED, "int3sym", ("int3sym", family.named["int3sym"]))
+    policy = build_policy(tiny_llama.config, "int3sym")
+    assert policy.default.label == "int3sym" and policy.bits_per_element(tiny_llama.config) == pytest.approx(5.0)
+    cache = QuantizedKVCache(tiny_llama.config, policy, 1, 100, torch.float32)
+    with torch.no_grad():
+        tiny_llama(torch.randint(0, 256, (1, 80)), 0, cache)
+    assert policy.bits_at(tiny_llama.config, 80) == pytest.approx(cache.bits_per_element())
+    pool = PagedKVPool(tiny_llama.config, policy, 4, 16, torch.float32, stage_blocks=2)
+    encoded = TokenIntCodec(3, 16).encode(torch.zeros(1, tiny_llama.config.num_kv_heads, 16, 32))
+    assert {n: t.shape[1:] for n, t in pool.layers[0].key_fields.items()} == {
+        n: t.shape[1:] for n, t in encoded.items()}
