@@ -40,6 +40,9 @@ def run() -> int:
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--calib-samples", type=int, default=128)
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = parse_scheme(args.scheme)
     lm = load_model(args.model, "fp32")
     encode = lambda name: lm.tokenizer.encode(load_text(name), add_special_tokens=False)

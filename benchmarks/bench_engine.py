@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from results_io import run_worker, write_results
+from results_io import run_worker, warn_if_busy, write_results
 
 
 def worker(args) -> dict:
@@ -75,6 +75,7 @@ def run() -> int:
     parser.add_argument("--max-step-tokens", type=int, default=512)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.worker:
         args.kv, args.max_num_seqs = args.kv[0], args.max_num_seqs[0]
         print(json.dumps(worker(args)))

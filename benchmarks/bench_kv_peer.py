@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from results_io import write_results
+from results_io import warn_if_busy, write_results
 CONFIGS = [  # (tool, setting)
     ("paperback", "fp16"), ("paperback", "int4"), ("paperback", "kivi2"),
     ("transformers", "dynamic"), ("transformers", "quanto-4"), ("transformers", "quanto-2"),
@@ -110,6 +110,7 @@ def run() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "SETTING"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.worker:
         args.tool, args.setting = args.worker
         return worker(args)

@@ -308,6 +308,9 @@ def run() -> int:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.part == ["plot"]:
         path = RESULTS / f"kv_{args.model}.json"
         report = json.loads(path.read_text())

@@ -82,6 +82,9 @@ def run() -> int:
                         help="rows to (re)run; the others are kept from the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     out = RESULTS / f"llmcompressor_{args.model}.json"
     if args.markdown:
         print(markdown(json.loads(out.read_text()), args.data))

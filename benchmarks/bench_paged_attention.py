@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import run_worker, write_results
+from results_io import run_worker, warn_if_busy, write_results
 
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head dim
 CASES = [(512, 512), (512, 4096), (1, 4096)]  # (new tokens, context)
@@ -143,6 +143,7 @@ def run() -> int:
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.worker:
         impl, shape, new, context = args.worker
         print(json.dumps(worker(impl, shape, int(new), int(context), args.repeats)))

@@ -36,7 +36,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from results_io import RESULTS, run_worker, write_results
+from results_io import RESULTS, run_worker, warn_if_busy, write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -200,6 +200,7 @@ def run() -> int:
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--allowance-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.allowance_worker:
         print(json.dumps(allowance_worker(args.allowance_worker)))
         return 0

@@ -51,6 +51,9 @@ def run() -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "qkernel.json")
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     torch.manual_seed(0)
     results = []
     for shape_name, (out_features, in_features) in SHAPES.items():

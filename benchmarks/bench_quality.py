@@ -79,6 +79,9 @@ def run() -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the tables in the JSON files as Markdown (for the README) and exit")
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.markdown:
         for model_name in args.models:
             path = RESULTS / f"quality_{model_name}.json"

@@ -68,6 +68,9 @@ def run() -> int:
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = QuantScheme(args.bits, args.group_size)
     lm = load_model(args.model, "fp32")
     calib_cfg = CalibrationConfig(num_samples=32, seq_len=512, seed=args.seed)

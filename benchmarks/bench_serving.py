@@ -40,7 +40,7 @@ import time
 import torch
 
 from paperback.memory import kv_bytes_per_token
-from results_io import RESULTS, run_worker, write_results
+from results_io import RESULTS, run_worker, warn_if_busy, write_results
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
 
@@ -391,6 +391,7 @@ def run() -> int:
     parser.add_argument("--worker", choices=["paged", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     from paperback.loading import load_model
 
     if args.worker:

@@ -23,6 +23,9 @@ def run() -> int:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--batch", nargs="+", default=["1", "8"])
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     for model in args.models:
         out = RESULTS / f"speed_{model}_{args.dtype}.json"
         code = paperback(["bench", model, "--dtype", args.dtype, "--batch", *args.batch, "-o", str(out)])

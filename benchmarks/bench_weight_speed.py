@@ -58,6 +58,9 @@ def run() -> int:
     parser.add_argument("--trials", type=int, default=3, help="fresh-process runs per configuration")
     parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args()
+    from results_io import warn_if_busy
+
+    warn_if_busy()  # a busy machine distorts timings, and even ratios
     output = args.output or RESULTS / f"weight_speed_{args.model}.json"
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="paperback-speed-") as tmp:

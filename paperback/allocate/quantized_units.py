@@ -53,29 +53,39 @@ def quantize_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Te
 
     The layer itself is left unchanged (AWQ works on a copy).
     """
-    if method == "rtn":
-        return {name: EffectiveWeight(quantize_rtn(layer.get_submodule(name).weight, scheme))
-                for name in BLOCK_LINEARS}
-    if method == "gptq":
-        readers = sorted({INPUT_OF.get(name, name) for name in BLOCK_LINEARS})
-        inputs = capture_inputs(layer, x, cos, sin, readers)
-        hessians = {}
-        for name in readers:
-            acc = HessianAccumulator(layer.get_submodule(name).in_features)
-            acc.add_batch(inputs[name])
-            hessians[name] = acc.H
-        return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight,
-                                                    hessians[INPUT_OF.get(name, name)], scheme,
-                                                    gptq or GPTQConfig()))
-                for name in BLOCK_LINEARS}
-    if method != "awq":
-        raise PaperbackError(f"unknown method '{method}' (choose from rtn, gptq, awq)")
+    if method not in BLOCK_METHODS:
+        raise PaperbackError(f"unknown method '{method}' (choose from {', '.join(BLOCK_METHODS)})")
+    return BLOCK_METHODS[method](layer, family, x, cos, sin, scheme, awq or AWQConfig(), gptq or GPTQConfig())
+
+
+def _rtn_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
+    return {name: EffectiveWeight(quantize_rtn(layer.get_submodule(name).weight, scheme)) for name in BLOCK_LINEARS}
+
+
+def _gptq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
+    readers = sorted({INPUT_OF.get(name, name) for name in BLOCK_LINEARS})
+    inputs = capture_inputs(layer, x, cos, sin, readers)
+    hessians = {}
+    for name in readers:
+        acc = HessianAccumulator(layer.get_submodule(name).in_features)
+        acc.add_batch(inputs[name])
+        hessians[name] = acc.H
+    return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight, hessians[INPUT_OF.get(name, name)],
+                                                scheme, gptq))
+            for name in BLOCK_LINEARS}
+
+
+def _awq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
     work = copy.deepcopy(layer)
     folded: dict[str, torch.Tensor] = {}
-    results = awq_block(work, family, x, cos, sin, list(BLOCK_LINEARS), scheme, awq or AWQConfig(), folded)
+    results = awq_block(work, family, x, cos, sin, list(BLOCK_LINEARS), scheme, awq, folded)
     column = {}
     for group in scale_groups(family, layer):
         if group.prev in folded:
             for name in group.linears:
                 column[name] = folded[group.prev]
     return {name: EffectiveWeight(q, column.get(name), folded.get(name)) for name, q in results.items()}
+
+
+# Each weight method (paperback.quantization.model_pass.METHODS) on one block from its exact inputs.
+BLOCK_METHODS = {"rtn": _rtn_block, "gptq": _gptq_block, "awq": _awq_block}

@@ -8,8 +8,9 @@ checkpoint must reproduce) and the quantized tensors are returned by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -22,7 +23,6 @@ from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_qua
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 from paperback.quantization.scheme import QuantScheme
 
-METHODS = ("rtn", "gptq", "awq")
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # Outside the blocks: the token embedding and the output head. On a tied model
@@ -154,27 +154,34 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
                    progress: bool = True) -> dict[str, QuantizedWeight]:
     """Quantize model's block linears in place (fake-quant); returns {param name: QuantizedWeight}.
 
-    calibration: (N, L) token ids, required for GPTQ and AWQ.
+    calibration: (N, L) token ids, required by the methods that calibrate (GPTQ, AWQ).
     """
-    layers = model.model.layers
-    results: dict[str, QuantizedWeight] = {}
-    bar = tqdm(total=len(layers), desc=f"{config.method} {config.label}", unit="block",
-               disable=None if progress else True, leave=False)
-    if config.method == "rtn":
-        for idx, layer in enumerate(layers):
-            for name, module in _targets(layer, config).items():
-                q = quantize_rtn(module.weight, config.scheme_for(f"model.layers.{idx}.{name}.weight"))
-                _set_weight(module, q)
-                results[f"model.layers.{idx}.{name}.weight"] = q
-            bar.update()
-        bar.close()
-        _quantize_edges(model, config, None, results)
-        return results
-    if calibration is None:
+    method = METHODS[config.method]
+    if method.calibrated and calibration is None:
         raise PaperbackError(f"{config.method.upper()} needs calibration data")
-    if config.method == "awq":
-        _awq_pass(model, config, calibration, bar, results)
-        return results
+    results: dict[str, QuantizedWeight] = {}
+    bar = tqdm(total=len(model.model.layers), desc=f"{config.method} {config.label}", unit="block",
+               disable=None if progress else True, leave=False)
+    method.model_pass(model, config, calibration, bar, results)
+    bar.close()
+    return results
+
+
+def _rtn_pass(model: DecoderLM, config: QuantizeConfig, calibration, bar, results: dict[str, QuantizedWeight]):
+    """Round every targeted weight to nearest, block by block; no calibration."""
+    for idx, layer in enumerate(model.model.layers):
+        for name, module in _targets(layer, config).items():
+            q = quantize_rtn(module.weight, config.scheme_for(f"model.layers.{idx}.{name}.weight"))
+            _set_weight(module, q)
+            results[f"model.layers.{idx}.{name}.weight"] = q
+        bar.update()
+    _quantize_edges(model, config, None, results)
+
+
+def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,
+               results: dict[str, QuantizedWeight]) -> None:
+    """GPTQ block by block on inputs through the blocks already quantized; the head too, from its Hessian."""
+    layers = model.model.layers
     batches = list(calibration.split(config.calibration_batch_size))
     dtype = model.dtype
     device = model.model.embed_tokens.weight.device
@@ -219,7 +226,6 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
         with _autocast(device, low):  # inputs of the next block, post-quantization
             hidden = [layer(x, cos, sin, 0, None).to(dtype) for x in hidden]
         bar.update()
-    bar.close()
     head_hessian = None
     if "head" in config.targets:
         acc = HessianAccumulator(model.config.hidden_size)
@@ -227,7 +233,6 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
             acc.add_batch(model.model.norm(x))
         head_hessian = acc.H
     _quantize_edges(model, config, head_hessian, results)
-    return results
 
 
 def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,
@@ -245,5 +250,24 @@ def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tenso
             results[f"model.layers.{idx}.{name}.weight"] = q
         hidden = layer(hidden, cos, sin, 0, None)  # inputs of the next block, post-quantization
         bar.update()
-    bar.close()
     _quantize_edges(model, config, None, results)
+
+
+@dataclass(frozen=True)
+class WeightMethod:
+    """One weight quantization method: how it walks a model, whether it needs calibration text, and the
+    settings a checkpoint's recipe records for it. The profiler's per-block form of each method is in
+    paperback.allocate.quantized_units.BLOCK_METHODS; a new method is an entry here and one there."""
+
+    name: str
+    model_pass: Callable[..., None]  # (model, config, calibration, bar, results): quantize in place
+    calibrated: bool
+    recipe: Callable[[QuantizeConfig, str], dict | None] = lambda config, forward_dtype: None
+
+
+METHODS: dict[str, WeightMethod] = {m.name: m for m in (
+    WeightMethod("rtn", _rtn_pass, calibrated=False),
+    WeightMethod("gptq", _gptq_pass, calibrated=True,
+                 recipe=lambda config, dtype: {"gptq": {**asdict(config.gptq), "forward_dtype": dtype}}),
+    WeightMethod("awq", _awq_pass, calibrated=True, recipe=lambda config, dtype: {"awq": config.awq.to_dict()}),
+)}

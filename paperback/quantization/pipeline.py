@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
-from paperback.quantization.model_pass import QuantizeConfig, autocast_dtype, quantize_model
+from paperback.quantization.model_pass import METHODS, QuantizeConfig, autocast_dtype, quantize_model
 
 
 def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationConfig | None, out_dir: Path,
@@ -18,7 +17,8 @@ def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationC
     calibration: the samples GPTQ and AWQ read (None for RTN). extra_recipe: more
     recipe entries (a fitted checkpoint's KV policy and allocation).
     """
-    batch = calibration_batch(lm.tokenizer, calibration) if config.method != "rtn" else None
+    method = METHODS[config.method]
+    batch = calibration_batch(lm.tokenizer, calibration) if method.calibrated else None
     start = time.perf_counter()
     quantized = quantize_model(lm.model, config, batch, progress=progress)
     seconds = time.perf_counter() - start
@@ -28,8 +28,7 @@ def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationC
         "source_model": str(lm.source.path),
         "method": config.method,
         "scheme": config.scheme.to_dict() if not config.layer_schemes else None,
-        "gptq": {**asdict(config.gptq), "forward_dtype": forward_dtype} if config.method == "gptq" else None,
-        "awq": config.awq.to_dict() if config.method == "awq" else None,
+        **(method.recipe(config, forward_dtype) or {}),  # the method's own settings, under its name
         "modules": list(config.targets),
         "calibration": calibration.to_dict() if batch is not None else None,
         "quantize_seconds": seconds,

@@ -70,3 +70,11 @@ def test_effective_weights_reproduce_the_quantized_block(tiny_lm, method):
     for n, w in original.items():
         err = (layer.get_submodule(n).weight - w).pow(2).mean() / w.pow(2).mean()
         assert 0 < err < 0.25  # quantized, and close: a 3-bit error, not a wrong basis
+
+
+def test_every_weight_method_has_its_per_block_form():
+    """A weight method is an entry in the model pass's registry and one in the profiler's."""
+    from paperback.allocate.quantized_units import BLOCK_METHODS
+    from paperback.quantization.model_pass import METHODS
+
+    assert set(BLOCK_METHODS) == set(METHODS)
