@@ -132,6 +132,22 @@ def test_smollm2_batch_matches_reference_with_text(smollm2):
         assert out.outputs[0].text == smollm2.tokenizer.decode(out.outputs[0].token_ids)
 
 
+def dense_greedy(model, spec: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens through the dense quantized cache: the prompt 16 tokens at a time, then one by one."""
+    from paperback.kv import QuantizedKVCache, build_policy
+
+    cache = QuantizedKVCache(model.config, build_policy(model.config, spec), 1, len(prompt) + max_tokens,
+                             torch.float32)
+    with torch.no_grad():
+        for lo in range(0, len(prompt), 16):
+            logits = model(torch.tensor([prompt[lo:lo + 16]]), lo, cache)[0, -1]
+        tokens = []
+        for i in range(max_tokens):
+            tokens.append(int(logits.argmax()))
+            logits = model(torch.tensor([[tokens[-1]]]), len(prompt) + i, cache)[0, -1]
+    return tokens
+
+
 @pytest.fixture(scope="module")
 def tiny32(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny32")
@@ -142,24 +158,13 @@ def tiny32(tmp_path_factory):
 @pytest.mark.parametrize("spec", ["kivi2:r=32", "pnmix:r=32", "kivi4:r=64"])
 def test_quantized_blocks_read_like_the_dense_quantized_cache(tiny32, spec):
     """With blocks as long as the format's token group, the engine encodes exactly what the dense cache does."""
-    from paperback.kv import QuantizedKVCache, build_policy
-
     model = tiny32.model
     engine = LLMEngine(tiny32, kv=spec, num_blocks=16, scheduler=SchedulerConfig(4, 16))
     assert engine.blocks.block_size == 32
     prompt = [(7 * i) % 256 for i in range(70)]
     request = engine.add_request(prompt, SamplingParams(max_tokens=40))
     [out] = engine.run()
-    tokens = out.outputs[0].token_ids
-    cache = QuantizedKVCache(model.config, build_policy(model.config, spec), 1, 200, torch.float32)
-    with torch.no_grad():
-        for lo in range(0, 70, 16):
-            logits = model(torch.tensor([prompt[lo:lo + 16]]), lo, cache)[0, -1]
-        expected = []
-        for i in range(40):
-            expected.append(int(logits.argmax()))
-            logits = model(torch.tensor([[expected[-1]]]), 70 + i, cache)[0, -1]
-    assert tokens == expected and out.request_id == request
+    assert out.outputs[0].token_ids == dense_greedy(model, spec, prompt, 40) and out.request_id == request
     engine.blocks.check()
 
 
@@ -233,22 +238,12 @@ def test_engine_on_cuda_matches_the_cpu_engine(tmp_path, spec):
 @pytest.mark.parametrize("spec", ["kivi2:r=32,sink=32", "fp16:window=64,sink=16", "kivi4:r=32,sink=32,window=96"])
 def test_retention_serves_what_the_dense_cache_computes(tiny32, spec):
     """Exact sinks and StreamingLLM windows: the engine's greedy tokens are the dense cache's."""
-    from paperback.kv import QuantizedKVCache, build_policy
-
     model = tiny32.model
     engine = LLMEngine(tiny32, kv=spec, num_blocks=40, scheduler=SchedulerConfig(4, 16))
     prompt = [(7 * i) % 256 for i in range(150)]
     engine.add_request(prompt, SamplingParams(max_tokens=60))
     [out] = engine.run()
-    cache = QuantizedKVCache(model.config, build_policy(model.config, spec), 1, 256, torch.float32)
-    with torch.no_grad():
-        for lo in range(0, 150, 16):
-            logits = model(torch.tensor([prompt[lo:lo + 16]]), lo, cache)[0, -1]
-        expected = []
-        for i in range(60):
-            expected.append(int(logits.argmax()))
-            logits = model(torch.tensor([[expected[-1]]]), 150 + i, cache)[0, -1]
-    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].token_ids == dense_greedy(model, spec, prompt, 60)
     engine.blocks.check()
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
