@@ -26,42 +26,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch
-from results_io import warn_if_busy, write_results
+import torch  # noqa: E402
 
-from paperback.allocate.allocation import Allocator, Workload
-from paperback.allocate.profile import ProfileConfig, Profiler
-from paperback.allocate.solver import InfeasibleBudget, solve
-from paperback.cli.output import print_table
-from paperback.evaluation import evaluate, load_text
-from paperback.evaluation.needle import run_needles
-from paperback.kv import QuantizedKVCache, build_policy
-from paperback.loading import load_model
-from paperback.plan.arithmetic import kv_bytes
-from paperback.plan.shape import shape_from_config
+from paperback.allocate.allocation import Allocator, Workload, kv_policy_spec  # noqa: E402
+from paperback.allocate.profile import ProfileConfig, Profiler  # noqa: E402
+from paperback.cli.output import print_table  # noqa: E402
+from paperback.evaluation import evaluate, load_text  # noqa: E402
+from paperback.evaluation.needle import run_needles  # noqa: E402
+from paperback.kv import QuantizedKVCache, build_policy  # noqa: E402
+from paperback.loading import load_model  # noqa: E402
+from paperback.plan.arithmetic import kv_bytes  # noqa: E402
+from paperback.plan.shape import shape_from_config  # noqa: E402
+from results_io import warn_if_busy, write_results  # noqa: E402
 
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
 
 def allocated_policy(allocator: Allocator, budget: float, evict: bool) -> dict:
     """The per-layer KV choice (weights left exact) of least predicted KL within `budget` bytes."""
-    best = None
-    for window in [None] + (allocator.eviction_windows() if evict else []):
-        try:
-            chosen = solve(allocator.kv_groups(window=window), budget)
-        except InfeasibleBudget:  # this window cannot meet the budget
-            continue
-        kl = sum(o.cost for o in chosen.values())
-        if best is None or kl < best[0]:
-            best = (kl, chosen)
-    kl, chosen = best
+    chosen = allocator.solve_windows(lambda window: allocator.kv_groups(window=window), budget, evict)
     layers = {i: chosen[f"kv.{i}"].label for i in range(allocator.config.num_layers)}
-    counts: dict[str, int] = {}
-    for spec in layers.values():
-        counts[spec] = counts.get(spec, 0) + 1
-    default = max(counts, key=counts.get)
-    return {"spec": {"default": default, "layers": {str(i): s for i, s in layers.items() if s != default}},
-            "predicted_kl": kl, "counts": counts}
+    return {"spec": kv_policy_spec(layers), "predicted_kl": sum(o.cost for o in chosen.values())}
 
 
 def main() -> None:

@@ -40,6 +40,15 @@ class Workload:
             raise PaperbackError("memory, context and users must be positive")
 
 
+def kv_policy_spec(kv: dict[int, str]) -> dict:
+    """{layer: KV spec} as `build_policy` reads it: the commonest spec as the default, the rest per layer."""
+    counts: dict[str, int] = {}
+    for spec in kv.values():
+        counts[spec] = counts.get(spec, 0) + 1
+    default = max(counts, key=counts.get)
+    return {"default": default, "layers": {str(i): s for i, s in sorted(kv.items()) if s != default}}
+
+
 @dataclass
 class Allocation:
     weights: dict[str, str]  # unit name -> scheme label
@@ -63,11 +72,7 @@ class Allocation:
 
     def kv_policy_spec(self) -> dict:
         """The KV policy as `build_policy` reads it from a file."""
-        counts: dict[str, int] = {}
-        for spec in self.kv.values():
-            counts[spec] = counts.get(spec, 0) + 1
-        default = max(counts, key=counts.get)
-        return {"default": default, "layers": {str(i): s for i, s in sorted(self.kv.items()) if s != default}}
+        return kv_policy_spec(self.kv)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "kv": {str(k): v for k, v in self.kv.items()}, "total_bytes": self.total_bytes,
@@ -116,10 +121,10 @@ class Allocator:
         r = self.retention
         if not r.get("windows") or not r.get("complete"):
             return []
+        residual = max(f.residual for f in self.formats.values())
         out = []
         for measured in r["windows"]:
             window = int(measured / r["long_tokens"] * self.workload.context) // self.block_size * self.block_size
-            residual = max(f.residual for f in self.formats.values())
             if residual < window < self.workload.context:
                 out.append((window, measured))
         return out
@@ -137,24 +142,22 @@ class Allocator:
         w = self.workload
         variants = self.exact_variants()
         sink = self.retention.get("sink", 0)
+        choices = []  # (stored spec, its scheme, format spec, measured variant or None), the same in every layer
+        for spec, scheme in self.formats.items():
+            kinds = [(None, 0, 0)] + [(name, s, r) for name, (s, r) in variants.items() if not scheme.is_native]
+            if window:  # eviction keeps sinks: the measured variants, or fp16's own sinks
+                kinds = [k for k in kinds if k[0]] or ([(None, sink, 0)] if scheme.is_native else [])
+            for variant, sinks, recent in kinds:
+                kept = with_retention(spec, sinks, window[0] if window else 0, recent)
+                if allowed is None or kept in allowed:  # allowed names exact options
+                    choices.append((kept, parse_kv_candidates([kept], self.config)[0], spec, variant))
         groups = []
         for i in range(self.config.num_layers):
-            options = []
-            for spec, scheme in self.formats.items():
-                kinds = [(None, 0, 0)] + [(name, s, r) for name, (s, r) in variants.items() if not scheme.is_native]
-                if window:  # eviction keeps sinks: the measured variants, or fp16's own sinks
-                    kinds = [k for k in kinds if k[0]] or ([(None, sink, 0)] if scheme.is_native else [])
-                for variant, sinks, recent in kinds:
-                    kept = with_retention(spec, sinks, window[0] if window else 0, recent)
-                    if allowed is not None and kept not in allowed:
-                        continue
-                    cost = self.kv_cost(i, spec, variant)
-                    if window:
-                        cost += self.retention["evict"][str(i)][str(window[1])]
-                    stored = parse_kv_candidates([kept], self.config)[0]
-                    options.append(Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context,
-                                                                        self.block_size), cost))
-            groups.append(Group(f"kv.{i}", tuple(options)))
+            evict_cost = self.retention["evict"][str(i)][str(window[1])] if window else 0.0
+            groups.append(Group(f"kv.{i}", tuple(
+                Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context, self.block_size),
+                       self.kv_cost(i, spec, variant) + evict_cost)
+                for kept, stored, spec, variant in choices)))
         return groups
 
     def capacity(self) -> float:
@@ -164,22 +167,28 @@ class Allocator:
                  evict: bool = False) -> Allocation:
         """The least predicted KL within the budget, over the allowed options (all by default); with
         `evict`, also over each measured eviction window."""
-        worlds = [None] + (self.eviction_windows() if evict else [])
-        best, first_groups = None, None
-        for window in worlds:
-            groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, window)
+        def groups_for(window):
+            return self.weight_groups(weight_options) + self.kv_groups(kv_options, window)
+
+        return self._allocation(self.solve_windows(groups_for, self.capacity(), evict))
+
+    def solve_windows(self, groups_for, capacity: float, evict: bool) -> dict[str, Option]:
+        """The exact solve of groups_for(window) within `capacity` bytes, keeping every token (window None)
+        and, with `evict`, at each eviction window; the least predicted KL of those that fit."""
+        best, kept_all = None, None
+        for window in [None] + (self.eviction_windows() if evict else []):
+            groups = groups_for(window)
             if any(not g.options for g in groups):
                 raise PaperbackError("no candidate left to choose from after restricting the options")
-            first_groups = first_groups or groups
+            kept_all = kept_all or groups
             try:
-                chosen = solve(groups, self.capacity())
+                chosen = solve(groups, capacity)
             except InfeasibleBudget:
                 continue
-            allocation = self._allocation(chosen)
-            if best is None or allocation.predicted_kl < best.predicted_kl:
-                best = allocation
+            if best is None or sum(o.cost for o in chosen.values()) < sum(o.cost for o in best.values()):
+                best = chosen
         if best is None:
-            raise InfeasibleBudget(self.infeasible_message(first_groups))
+            raise InfeasibleBudget(self.infeasible_message(kept_all))
         return best
 
     def budget_curve(self, points: int = 24) -> list[dict]:

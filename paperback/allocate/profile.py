@@ -231,16 +231,9 @@ class Profiler:
                 return cached
         return None
 
-    def _missing_retention(self, finished: dict) -> bool:
-        saved, self.data = self.data, finished
-        try:
-            return self._retention_todo() > 0
-        finally:
-            self.data = saved
-
     def run(self) -> dict:
         finished = self._finished()
-        if finished is not None and self._missing_retention(finished):
+        if finished is not None and self._retention_todo(finished.get("retention")) > 0:
             # A profile from before (some of) retention was measured: add that part, keep the rest.
             reused = finished.pop("reused_from_cache")
             self.data = finished
@@ -372,9 +365,9 @@ class Profiler:
         self._save_partial()
 
     # --- retention ------------------------------------------------------------------------------------------
-    def _retention_todo(self) -> int:
-        """Cells of the retention part still to measure (0: complete)."""
-        r = self.data.get("retention") or {}
+    def _retention_todo(self, retention: dict | None) -> int:
+        """Cells of a profile's retention part still to measure (0: complete)."""
+        r = retention or {}
         config = self.model.config
         layers = range(config.num_layers)
         quantized = [f.label for f in self.formats if not f.is_native]
@@ -392,7 +385,7 @@ class Profiler:
     def _retention(self, probe: ReferenceProbe | None = None) -> None:
         """Per layer and quantized format, each EXACT_VARIANTS option (short windows, like `kv`); and, where
         every layer may evict, fp16 with sinks and a window of each EVICT_FRACTIONS of the long window."""
-        todo = self._retention_todo()
+        todo = self._retention_todo(self.data.get("retention"))
         if todo == 0:
             return
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from paperback.errors import ContextLengthError, PaperbackError
 from paperback.generation.generate import IncrementalDetokenizer, _find_stop
 from paperback.generation.sampling import SamplingParams, make_generator, sample
 from paperback.kv.policy import KVPolicy, build_policy
-from paperback.kv.schemes import paged_block_size, pool_retention
+from paperback.kv.schemes import paged_block_size
 from paperback.memory import dtype_bytes
 
 
@@ -91,16 +91,14 @@ class LLMEngine:
             kv_amax = default_kv_amax(lm)
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
         block_size = paged_block_size(schemes, block_size)
-        residual = max((s.residual for s in schemes if not s.is_native), default=0)
-        sink = max((s.sink for s in schemes if not s.is_native), default=0)
-        quantized = any(not s.is_native for s in schemes)
         stage_blocks = 0
         per_block = block_bytes(config, policy, block_size)
-        if quantized:
-            # Exact blocks for the recent window of every running sequence (the scheduler counts a request's
-            # n forks before admitting it), plus the blocks one step's new tokens fill before they are encoded.
-            stage_blocks = (scheduler.max_num_seqs * PagedKVPool.stage_blocks_per_seq(block_size, residual, sink)
-                            + -(-scheduler.max_step_tokens // block_size))
+        per_seq = PagedKVPool.stage_blocks_per_seq(block_size, schemes)
+        if per_seq:
+            # Exact blocks for the sinks and recent window of every running sequence (the scheduler counts a
+            # request's n forks before admitting it), plus the blocks one step's new tokens fill before they are
+            # encoded.
+            stage_blocks = scheduler.max_num_seqs * per_seq + -(-scheduler.max_step_tokens // block_size)
         stage_bytes = stage_blocks * 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size \
             * dtype_bytes(self.model.dtype)
         if num_blocks is None:
@@ -114,11 +112,12 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=salt)
         self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks,
                                 self.model.device, kv_amax)
-        window, sink = pool_retention(schemes)
         held = None
-        if window:  # every layer evicts: a sequence holds its sinks, its window and one step's chunk at most
+        if self.pool.evict_window:  # every layer evicts: a sequence holds its sinks, its window and a step's chunk
+            bound = (self.pool.evict_sink_blocks + -(-(self.pool.evict_window + scheduler.max_step_tokens)
+                                                      // block_size) + 1)
+
             def held(tokens: int) -> int:
-                bound = -(-sink // block_size) + -(-(window + scheduler.max_step_tokens) // block_size) + 1
                 return min(self.blocks.blocks_needed(tokens), bound)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),

@@ -40,7 +40,8 @@ from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.paged_attention import decode_kernel_available, paged_attention, paged_decode_attention
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
-from paperback.kv.schemes import NATIVE, pool_retention
+from paperback.kv.families import NATIVE
+from paperback.kv.schemes import pool_retention
 from paperback.models.config import ModelConfig
 
 
@@ -113,9 +114,13 @@ class PagedKVPool:
         self.seqs: dict[int, _SeqState] = {}
 
     @staticmethod
-    def stage_blocks_per_seq(block_size: int, residual: int, sink: int = 0) -> int:
-        """Staging a sequence can hold at once: its sinks, its recent window plus the block being filled,
-        plus one."""
+    def stage_blocks_per_seq(block_size: int, schemes) -> int:
+        """Staging a sequence can hold at once in these layers: their sinks, their recent window plus the block
+        being filled, plus one (none when every layer is native)."""
+        quantized = [s for s in schemes if not s.is_native]
+        if not quantized:
+            return 0
+        sink, residual = max(s.sink for s in quantized), max(s.residual for s in quantized)
         return -(-sink // block_size) + -(-residual // block_size) + 2
 
     def evictable(self, seq_len: int) -> tuple[int, int]:
@@ -254,7 +259,8 @@ class PagedKVPool:
 
     def final_blocks(self, seq_id: int, computed: int) -> int:
         """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share).
-        None while a quantized layer holds exact sinks: those live in the sequence's own staging."""
+        None while a quantized layer holds exact sinks: those live in the sequence's own staging, so no block
+        holds all of its bytes."""
         if self.stage_sink_blocks:
             return 0
         full = computed // self.block_size
@@ -322,7 +328,7 @@ class StepBatch:
         window, sink = layer.window, layer.scheme.sink if layer.scheme.window else 0
         together = self.decoding if self.pool.kernel_decodes[layer_idx] else []
         if together:
-            self._attend_decoding_together(self.pool.layers[layer_idx], q, k, v, scaling, window, out)
+            self._attend_decoding_together(layer, q, k, v, scaling, window, out)
         skip = set(together)
         for i, (s, logical) in enumerate(zip(self.seqs, self.logical)):
             part = slice(start, start + s.num_new)

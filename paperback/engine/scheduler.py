@@ -87,7 +87,6 @@ class Scheduler:
         self.blocks = blocks
         self.config = config
         self.blocks_held = blocks_held
-        self.lazy = blocks_held is not None
         self.on_admit = on_admit or (lambda seq, cached: None)
         self.on_free = on_free or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
@@ -161,7 +160,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
-            max_new = budget if self.lazy else None
+            max_new = budget if self.blocks_held else None  # bounded holdings: blocks a chunk at a time
             if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
                     not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running), max_new=max_new):
                 break

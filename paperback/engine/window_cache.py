@@ -28,11 +28,9 @@ class PagedWindowCache:
         config = model.config
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
         block_size = math.lcm(block_size, *(s.flush_group for s in schemes))
-        residual = max((s.residual for s in schemes if not s.is_native), default=0)
-        sink = max((s.sink for s in schemes if not s.is_native), default=0)
-        # As the engine sizes it for one running sequence: its recent window plus one step's new tokens.
-        stage = (PagedKVPool.stage_blocks_per_seq(block_size, residual, sink) + -(-chunk // block_size)
-                 if any(not s.is_native for s in schemes) else 0)
+        # As the engine sizes it for one running sequence: its sinks and recent window plus one step's new tokens.
+        per_seq = PagedKVPool.stage_blocks_per_seq(block_size, schemes)
+        stage = per_seq + -(-chunk // block_size) if per_seq else 0
         self.blocks = BlockManager(-(-max_len // block_size), block_size, prefix_caching=False)
         self.blocks.allocate(SEQ_ID, [0] * max_len)
         self.pool = PagedKVPool(config, policy, self.blocks.num_blocks, block_size, model.dtype, stage,

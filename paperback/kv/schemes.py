@@ -30,7 +30,7 @@ import torch
 
 from paperback.errors import PaperbackError
 from paperback.kv.codecs import KVCodec
-from paperback.kv.families import FAMILIES, NAMED, NATIVE  # noqa: F401  (NATIVE: re-exported for the caches)
+from paperback.kv.families import FAMILIES, NAMED
 
 SINK_UNIT = 16  # sinks fill whole blocks of the paged engine's smallest block size
 
@@ -66,7 +66,7 @@ class KVScheme:
             raise PaperbackError(f"sink={self.sink}: sinks are kept in whole cache blocks, a multiple of "
                                  f"{SINK_UNIT} tokens")
         if self.sink % self.flush_group:
-            raise PaperbackError(f"sink={self.sink} is not a whole number of {self.label}'s "
+            raise PaperbackError(f"sink={self.sink} is not a whole number of {self.format_label}'s "
                                  f"{self.flush_group}-token groups")
         if self.window and not self.is_native and self.window <= self.residual:
             raise PaperbackError(f"window={self.window} must exceed the exact recent window r={self.residual}: "
