@@ -4,6 +4,8 @@ Every sensitivity a profile holds is one number: the mean over profiling
 positions of KL(p_full || p_changed). A change that starts at block i
 leaves blocks 0..i-1 untouched, so the probe keeps each block's exact input
 and runs only blocks i.. for it: on average half a forward per measurement.
+The squared change of block i's own output (`block_error`) costs one block:
+what a profile scales into the KL of cells it estimates (allocate.estimate).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ReferenceProbe:
         for idx, layer in enumerate(model.model.layers):
             self.block_inputs.append(x)
             x = layer(x, *self.rope[idx], 0, None)
+        self.final_output = x
         # KL(p || q) = sum p log p - sum p log q: the first term is fixed, so keep p and its sum.
         probs, neg_entropy = [], []
         for logp in self._log_probs(x):
@@ -85,29 +88,49 @@ class ReferenceProbe:
             offset += n
         return total / offset
 
+    def _block(self, idx: int, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """Block idx on x; through `cache` (fed `chunk` tokens at a time, as served) when given."""
+        layer = self.model.model.layers[idx]
+        cos, sin = self.rope[idx]
+        if cache is None:
+            return layer(x, cos, sin, 0, None)
+        return torch.cat([layer(x[:, lo:lo + self.chunk], cos[lo:lo + self.chunk], sin[lo:lo + self.chunk], lo, cache)
+                          for lo in range(0, x.shape[1], self.chunk)], dim=1)
+
     @torch.inference_mode()
     def kl_from(self, start: int, first_layer_cache=None) -> float:
         """KL when blocks start.. run on the model as it is now (weights swapped in by the caller).
 
         first_layer_cache: a cache block `start` reads its past from, fed `chunk` tokens at a time.
         """
-        x = self.block_inputs[start]
-        layers = self.model.model.layers
-        for idx in range(start, len(layers)):
-            cos, sin = self.rope[idx]
-            if idx == start and first_layer_cache is not None:
-                x = torch.cat([layers[idx](x[:, lo:lo + self.chunk], cos[lo:lo + self.chunk],
-                                           sin[lo:lo + self.chunk], lo, first_layer_cache)
-                               for lo in range(0, x.shape[1], self.chunk)], dim=1)
-            else:
-                x = layers[idx](x, cos, sin, 0, None)
+        x = self._block(start, self.block_inputs[start], first_layer_cache)
+        for idx in range(start + 1, len(self.model.model.layers)):
+            x = self._block(idx, x)
         return self.kl_of_output(x)
+
+    @torch.inference_mode()
+    def block_error(self, start: int, first_layer_cache=None) -> float:
+        """Mean over positions of the squared change of block `start`'s output (the model as it is now).
+
+        One block instead of every block after it and the head: what a profile's estimated cells cost.
+        """
+        x = self._block(start, self.block_inputs[start], first_layer_cache)
+        layers = self.model.model.layers
+        reference = self.block_inputs[start + 1] if start + 1 < len(layers) else self.final_output
+        return (x - reference).pow(2).sum(-1).mean().item()
+
+    def _one_layer_cache(self, layer_idx: int, scheme: KVScheme) -> _OneLayerCache:
+        config = self.model.config
+        shape = (self.windows.shape[0], config.num_kv_heads, self.windows.shape[1], config.head_dim)
+        return _OneLayerCache(layer_idx, scheme, shape, self.model.dtype, self.model.device)
 
     def kl_with_kv(self, layer_idx: int, scheme: KVScheme) -> float:
         """KL when only layer `layer_idx` stores its cache in `scheme`."""
-        config = self.model.config
-        shape = (self.windows.shape[0], config.num_kv_heads, self.windows.shape[1], config.head_dim)
-        return self.kl_from(layer_idx, _OneLayerCache(layer_idx, scheme, shape, self.model.dtype, self.model.device))
+        return self.kl_from(layer_idx, self._one_layer_cache(layer_idx, scheme))
+
+    def error_with_kv(self, layer_idx: int, scheme: KVScheme) -> float:
+        """block_error when layer `layer_idx` stores its cache in `scheme`."""
+        return self.block_error(layer_idx, self._one_layer_cache(layer_idx, scheme))
 
     @torch.inference_mode()
     def kl_full(self, policy: KVPolicy | None = None) -> float:

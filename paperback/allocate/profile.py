@@ -39,13 +39,16 @@ import torch
 from tqdm.auto import tqdm
 
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
+from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
 from paperback.allocate.quantized_units import EffectiveWeight, quantize_block
+from paperback.allocate.stats import pearson, ranks
 from paperback.allocate.token_importance import token_importance
 from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
                                       RETENTION_SINK, WeightUnit, parse_kv_candidates, parse_weight_candidates,
                                       weight_units, with_retention)
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.policy import KVPolicy
+from paperback.kv.schemes import KVScheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.model_pass import METHODS
 from paperback.quantization.rtn import quantize_rtn
@@ -79,6 +82,12 @@ class ProfileConfig:
     additivity_samples: int = 24
     seed: int = 0
     include_head: bool = True
+    # "anchored": each weight unit's KL is measured at one anchor scheme and each layer's KV cache at its
+    # fewest-bits format; the other cells are that factor times their own block error (allocate.estimate),
+    # and check_samples of them are measured as well. "all": every cell measured.
+    measure: str = "anchored"
+    weight_anchor: str | None = None  # None: W3a-g128 when a candidate, else the middle candidate by bits
+    check_samples: int = 16
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -89,11 +98,17 @@ class ProfileConfig:
             raise PaperbackError("profiling needs at least 1 window of at least 16 tokens and 1 calibration sample")
         if not 0 < self.span <= 1:
             raise PaperbackError(f"profiling span must be in (0, 1], got {self.span}")
-        if self.additivity_samples < 0 or self.kv_chunk < 1:
-            raise PaperbackError("additivity samples must be >= 0 and the KV chunk >= 1")
+        if self.additivity_samples < 0 or self.kv_chunk < 1 or self.check_samples < 0:
+            raise PaperbackError("additivity and check samples must be >= 0 and the KV chunk >= 1")
+        if self.measure not in MEASURE_MODES:
+            raise PaperbackError(f"unknown measure mode '{self.measure}' (choose from {', '.join(MEASURE_MODES)})")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "weight_schemes": list(self.weight_schemes), "kv_formats": list(self.kv_formats)}
+        data = {**asdict(self), "weight_schemes": list(self.weight_schemes), "kv_formats": list(self.kv_formats)}
+        if self.measure == "all":  # the settings of profiles measured before estimates existed: still reused
+            for key in ("measure", "weight_anchor", "check_samples"):
+                del data[key]
+        return data
 
 
 def model_fingerprint(model) -> str:
@@ -170,6 +185,7 @@ class Profiler:
         self.model, self.config, self.progress = model, config, progress
         self.schemes = parse_weight_candidates(config.weight_schemes)
         self.formats = parse_kv_candidates(config.kv_formats, model.config)
+        self.weight_anchor, self.kv_anchor = self._anchors() if config.measure == "anchored" else (None, None)
         self.units = weight_units(model.config, config.include_head)
         bos = tokenizer.bos_token_id if getattr(tokenizer, "adds_bos", False) else None
         self.text = split_text(tokenizer.encode(text, add_special_tokens=False), config, bos,
@@ -191,7 +207,27 @@ class Profiler:
                    "long": None},
             "tokens": None, "additivity": None, "retention": None, "seconds": {},
         }
+        if self.weight_anchor is not None:
+            self.data["estimates"] = {"mode": "anchored", "weight_anchor": self.weight_anchor,
+                                      "kv_anchor": self.kv_anchor.label, "weights": {}, "kv": {}, "retention": {},
+                                      "evict": {}, "check": None}
         self.effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = {}
+
+    def _anchors(self) -> tuple[str, KVScheme]:
+        """The weight scheme each unit is measured at and the KV format each layer is (its fewest bits)."""
+        labels = [s.label for s in self.schemes]
+        if self.config.weight_anchor is not None:
+            anchor = parse_weight_candidates([self.config.weight_anchor])[0].label
+            if anchor not in labels:
+                raise PaperbackError(f"weight anchor {anchor} is not a candidate scheme ({', '.join(labels)})")
+        elif "W3a-g128" in labels:
+            anchor = "W3a-g128"
+        else:
+            by_bits = sorted(self.schemes, key=lambda s: s.bits_per_weight(4096, 4096))
+            anchor = by_bits[(len(by_bits) - 1) // 2].label
+        head_dim = self.model.config.head_dim
+        quantized = [f for f in self.formats if not f.is_native] or self.formats
+        return anchor, min(quantized, key=lambda f: f.bits_per_element(head_dim))
 
     @property
     def partial_path(self) -> Path:
@@ -217,6 +253,8 @@ class Profiler:
             self.data["retention"] = saved.get("retention")
             self.data["tokens"] = saved.get("tokens")
             self.data["seconds"] = saved.get("seconds", {})
+            if "estimates" in self.data and saved.get("estimates"):
+                self.data["estimates"] = saved["estimates"]
 
     def _finished(self) -> dict | None:
         """A complete profile for this key: from the cache, or shipped with paperback (the bundled models')."""
@@ -261,6 +299,7 @@ class Profiler:
             self._timed("tokens", t0)
             self._save_partial()
         self._retention(probe)
+        self._check_estimates(weight_probe, probe)
         self._additivity(weight_probe, probe)
         self.data["complete"] = True
         _atomic_write(self.complete_path, self.data)
@@ -289,17 +328,13 @@ class Profiler:
                 t0 = time.perf_counter()
                 cos, sin = model.rotary_for(idx)(positions, model.dtype)
                 for scheme in self.schemes:
-                    effective = quantize_block(layer, model.config.family, calib, cos, sin, scheme,
-                                               self.config.method, PROFILE_AWQ)
-                    self.effective[(f"layers.{idx}", scheme.label)] = effective
-                    for unit in self._block_units(idx):
-                        if scheme.label in kl.get(unit.name, {}):
-                            continue
-                        names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
-                        swap = {f"model.layers.{idx}.{n}.weight": effective[n].weight() for n in names}
-                        with swapped_weights(model, swap):
-                            kl.setdefault(unit.name, {})[scheme.label] = probe.kl_from(idx)
-                        bar.update()
+                    self.effective[(f"layers.{idx}", scheme.label)] = quantize_block(
+                        layer, model.config.family, calib, cos, sin, scheme, self.config.method, PROFILE_AWQ)
+                for unit in self._block_units(idx):
+                    todo = [s.label for s in self.schemes if s.label not in kl.get(unit.name, {})]
+                    if todo:
+                        kl[unit.name] = self._unit_cells(unit, probe, kl.get(unit.name, {}))
+                        bar.update(len(todo))
                 calib = layer(calib, cos, sin, 0, None)
                 self._timed("weights", t0)
                 self._save_partial()
@@ -320,6 +355,40 @@ class Profiler:
                 self._save_partial()
         bar.close()
 
+    def _unit_cells(self, unit: WeightUnit, probe: ReferenceProbe, done: dict[str, float]) -> dict[str, float]:
+        """{scheme label: KL} of a block unit: each measured, or anchored (one measured, the rest estimated)."""
+        labels = [s.label for s in self.schemes]
+
+        def measure(label: str) -> float:
+            with swapped_weights(self.model, self.unit_weights(unit, label)):
+                return probe.kl_from(unit.layer)
+
+        def error(label: str) -> float:
+            with swapped_weights(self.model, self.unit_weights(unit, label)):
+                return probe.block_error(unit.layer)
+
+        if self.weight_anchor is None:
+            return {label: done[label] if label in done else measure(label) for label in labels}
+        cells, record = self._anchored(labels, self.weight_anchor, measure, error)
+        self.data["estimates"]["weights"][unit.name] = record
+        return cells
+
+    @staticmethod
+    def _anchored(labels: list[str], anchor: str, measure, error, factor: float | None = None
+                  ) -> tuple[dict[str, float], dict]:
+        """Cells for `labels`: the anchor's KL measured (unless `factor` is given), every block error measured,
+        the others estimated as factor x error; measured instead where the anchor is at the noise floor."""
+        errors = {label: error(label) for label in labels}
+        cells = {}
+        if factor is None and anchor in labels:
+            cells[anchor] = measure(anchor)
+            factor = anchor_factor(cells[anchor], errors[anchor])
+        for label in labels:
+            if label not in cells:
+                cells[label] = factor * errors[label] if factor is not None else measure(label)
+        return {label: cells[label] for label in labels}, {"factor": factor, "errors": errors,
+                                                           "estimated": factor is not None}
+
     def unit_weights(self, unit: WeightUnit, label: str) -> dict[str, torch.Tensor]:
         """{param name: effective weight} of a unit under the scheme labelled `label`."""
         if unit.name == HEAD_UNIT:
@@ -335,13 +404,20 @@ class Profiler:
         todo = sum(1 for i in layers for f in self.formats if f.label not in kl.get(str(i), {}))
         bar = tqdm(total=todo, desc="profile KV", unit="layer", disable=None if self.progress else True,
                    leave=False)
+        schemes = {f.label: f for f in self.formats}
         for i in layers:
             t0 = time.perf_counter()
-            for scheme in self.formats:
-                if scheme.label in kl.get(str(i), {}):
-                    continue
-                kl.setdefault(str(i), {})[scheme.label] = probe.kl_with_kv(i, scheme)
-                bar.update()
+            todo = [f.label for f in self.formats if f.label not in kl.get(str(i), {})]
+            if not todo:
+                continue
+            if self.kv_anchor is None:
+                for label in todo:
+                    kl.setdefault(str(i), {})[label] = probe.kl_with_kv(i, schemes[label])
+            else:
+                kl[str(i)], self.data["estimates"]["kv"][str(i)] = self._anchored(
+                    list(schemes), self.kv_anchor.label, lambda label: probe.kl_with_kv(i, schemes[label]),
+                    lambda label: probe.error_with_kv(i, schemes[label]))
+            bar.update(len(todo))
             self._timed("kv", t0)
             self._save_partial()
         bar.close()
@@ -400,34 +476,113 @@ class Profiler:
             else None, "complete": False}
         bar = tqdm(total=todo, desc="profile retention", unit="cell", disable=None if self.progress else True,
                    leave=False)
-        quantized = [(spec, f) for spec, f in zip(cfg.kv_formats, self.formats) if not f.is_native]
+        variants = self._retention_variants()
         layers = range(config.num_layers)
+        estimates = self.data.get("estimates")
         for i in layers:
-            for name, (sink, recent) in EXACT_VARIANTS.items():
-                for spec, scheme in quantized:
-                    if scheme.label in r[name].get(str(i), {}):
-                        continue
-                    if probe is None:
-                        probe = ReferenceProbe(self.model, self.text.windows, cfg.kv_chunk, cfg.score_stride)
-                    kept = parse_kv_candidates([with_retention(spec, sink, recent=recent)], config)[0]
-                    r[name].setdefault(str(i), {})[scheme.label] = probe.kl_with_kv(i, kept)
-                    bar.update()
+            for name in EXACT_VARIANTS:
+                todo = [label for label in variants[name] if label not in r[name].get(str(i), {})]
+                if not todo:
+                    continue
+                if probe is None:
+                    probe = ReferenceProbe(self.model, self.text.windows, cfg.kv_chunk, cfg.score_stride)
+                if estimates is None:
+                    for label in todo:
+                        r[name].setdefault(str(i), {})[label] = probe.kl_with_kv(i, variants[name][label])
+                else:  # the layer's KV factor, from its anchor format, scales these block errors too
+                    r[name][str(i)], record = self._anchored(
+                        list(variants[name]), "", lambda label: probe.kl_with_kv(i, variants[name][label]),
+                        lambda label: probe.error_with_kv(i, variants[name][label]),
+                        factor=estimates["kv"][str(i)]["factor"])
+                    estimates["retention"].setdefault(name, {})[str(i)] = record
+                bar.update(len(todo))
             self._save_partial()
         if windows:
             long = None
+            evictions = self._evictions()
             for i in layers:
-                for w in windows:
-                    if str(w) in r["evict"].get(str(i), {}):
-                        continue
-                    if long is None:
-                        long = ReferenceProbe(self.model, long_window, cfg.kv_chunk, 4 * cfg.score_stride)
-                    scheme = parse_kv_candidates([with_retention("fp16", RETENTION_SINK, w)], config)[0]
-                    r["evict"].setdefault(str(i), {})[str(w)] = long.kl_with_kv(i, scheme)
-                    bar.update()
+                todo = [w for w in evictions if w not in r["evict"].get(str(i), {})]
+                if not todo:
+                    continue
+                if long is None:
+                    long = ReferenceProbe(self.model, long_window, cfg.kv_chunk, 4 * cfg.score_stride)
+                if estimates is None:
+                    for w in todo:
+                        r["evict"].setdefault(str(i), {})[w] = long.kl_with_kv(i, evictions[w])
+                else:  # the shortest window (the largest change) is the anchor
+                    r["evict"][str(i)], estimates["evict"][str(i)] = self._anchored(
+                        list(evictions), str(min(windows)), lambda w: long.kl_with_kv(i, evictions[w]),
+                        lambda w: long.error_with_kv(i, evictions[w]))
+                bar.update(len(todo))
                 self._save_partial()
         bar.close()
         r["complete"] = True
         self._timed("retention", t0)
+        self._save_partial()
+
+    def _retention_variants(self) -> dict[str, dict[str, KVScheme]]:
+        """{variant name: {quantized format label: that format with the variant's exact tokens}}."""
+        config = self.model.config
+        quantized = [(spec, f) for spec, f in zip(self.config.kv_formats, self.formats) if not f.is_native]
+        return {name: {f.label: parse_kv_candidates([with_retention(spec, sink, recent=recent)], config)[0]
+                       for spec, f in quantized}
+                for name, (sink, recent) in EXACT_VARIANTS.items()}
+
+    def _evictions(self) -> dict[str, KVScheme]:
+        """{window as a string: fp16 with the exact sinks and that window}."""
+        return {str(w): parse_kv_candidates([with_retention("fp16", RETENTION_SINK, w)], self.model.config)[0]
+                for w in self._evict_windows()}
+
+    # --- the estimates' check -------------------------------------------------------------------------------
+    def _check_estimates(self, weight_probe: ReferenceProbe, probe: ReferenceProbe) -> None:
+        """Measure a seeded sample of the estimated cells, an equal share from each kind, against their estimate."""
+        estimates = self.data.get("estimates")
+        if estimates is None or estimates.get("check") is not None or self.config.check_samples == 0:
+            return
+        t0 = time.perf_counter()
+        units = {u.name: u for u in self.units}
+        formats = {f.label: f for f in self.formats}  # native formats sit at the noise floor: not checked
+        variants, evictions = self._retention_variants(), self._evictions()
+        r = self.data["retention"]
+        long = None
+
+        def measure_evict(layer, w):
+            nonlocal long
+            if long is None:
+                long = ReferenceProbe(self.model, self.text.long_window, self.config.kv_chunk,
+                                      4 * self.config.score_stride)
+            return long.kl_with_kv(layer, evictions[w])
+
+        def weight_cell(unit, label):
+            with swapped_weights(self.model, self.unit_weights(units[unit], label)):
+                return weight_probe.kl_from(units[unit].layer)
+
+        kinds = {
+            "weights": [((u, label), self.data["weights"]["kl"][u][label], weight_cell)
+                        for u, rec in estimates["weights"].items() if rec["estimated"]
+                        for label in rec["errors"] if label != estimates["weight_anchor"]],
+            "kv": [((int(i), label), self.data["kv"]["kl"][i][label],
+                    lambda i, label: probe.kl_with_kv(i, formats[label]))
+                   for i, rec in estimates["kv"].items() if rec["estimated"]
+                   for label in rec["errors"] if label != estimates["kv_anchor"] and not formats[label].is_native],
+            "retention": [((name, int(i), label), r[name][i][label],
+                           lambda name, i, label: probe.kl_with_kv(i, variants[name][label]))
+                          for name, layers in estimates["retention"].items() for i, rec in layers.items()
+                          if rec["estimated"] for label in rec["errors"]],
+            "evict": [((int(i), w), r["evict"][i][w], measure_evict)
+                      for i, rec in estimates["evict"].items() if rec["estimated"]
+                      for w in rec["errors"] if w != str(min(self._evict_windows()))],
+        }
+        kinds = {kind: cells for kind, cells in kinds.items() if cells}
+        rng = random.Random(self.config.seed + 1)
+        share = math.ceil(self.config.check_samples / max(1, len(kinds)))
+        points = []
+        for kind, cells in tqdm(kinds.items(), desc="profile estimate check", unit="kind",
+                                disable=None if self.progress else True, leave=False):
+            for args, value, measure in rng.sample(cells, min(share, len(cells))):
+                points.append({"kind": kind, "cell": list(args), "estimated": value, "measured": measure(*args)})
+        estimates["check"] = check_summary(points)
+        self._timed("check", t0)
         self._save_partial()
 
     # --- additivity -----------------------------------------------------------------------------------------
@@ -482,24 +637,6 @@ def _pick(rng: random.Random, level: float, count: int) -> int:
     return min(count - 1, max(0, round(level * (count - 1) + rng.gauss(0, 1))))
 
 
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    for rank, i in enumerate(order):
-        ranks[i] = float(rank)
-    return ranks
-
-
-def pearson(x: list[float], y: list[float]) -> float:
-    if len(x) < 2:
-        return float("nan")
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
-
-
 def additivity_summary(samples: list[dict]) -> dict:
     """Correlation of predicted (summed) against measured KL, overall and per kind of assignment."""
     def stats(group: list[dict]) -> dict:
@@ -508,7 +645,7 @@ def additivity_summary(samples: list[dict]) -> dict:
         logs = [(math.log(p), math.log(m)) for p, m in zip(pred, meas) if p > 0 and m > 0]
         ratios = sorted(m / p for p, m in zip(pred, meas) if p > 0)
         return {"samples": len(group), "pearson": pearson(pred, meas),
-                "spearman": pearson(_ranks(pred), _ranks(meas)),
+                "spearman": pearson(ranks(pred), ranks(meas)),
                 "log_pearson": pearson([a for a, _ in logs], [b for _, b in logs]),
                 "median_measured_over_predicted": ratios[len(ratios) // 2] if ratios else float("nan")}
 

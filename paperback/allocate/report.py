@@ -190,6 +190,7 @@ def render_report(result: dict, profile: dict) -> str:
         parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
     else:
         parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
+    parts.append(_estimates_section(profile.get("estimates")))
     parts += ["<h2>Quality against budget</h2>", f'<img src="{_curve_plot(curve, chosen, breakdown)}" alt="curve">']
     if breakdown is not None:
         margin = w["memory"] - breakdown["memory"]
@@ -201,6 +202,22 @@ def render_report(result: dict, profile: dict) -> str:
     body = "\n".join(parts)
     return f"<!doctype html><html><head><meta charset=utf-8><title>paperback fit</title><style>{STYLE}</style>" \
            f"</head><body>{body}</body></html>"
+
+
+def _estimates_section(estimates: dict | None) -> str:
+    if not estimates:
+        return "<p>Every cell of the profile was measured (--measure all).</p>"
+    text = (f"<p>Each weight unit's KL was measured at {html.escape(estimates['weight_anchor'])} and each layer's "
+            f"KV cache in {html.escape(estimates['kv_anchor'])}; the other cells are that anchor's KL per unit of "
+            "block output error times their own block error.")
+    check = estimates.get("check")
+    if not check or not check["positive"]:
+        return text + " No estimated cell was measured as a check.</p>"
+    rows = [[kind, s["samples"], f"{s['median_abs_log_ratio']:.2f}" if s["median_abs_log_ratio"] is not None else ""]
+            for kind, s in check["by_kind"].items()]
+    return (text + f" {check['samples']} estimated cells were measured as well: median |log(estimate / measured)| "
+            f"{check['median_abs_log_ratio']:.2f} (90th percentile {check['p90_abs_log_ratio']:.2f}), Spearman "
+            f"{check['spearman']:.3f}.</p>" + _table(["cells", "n", "median |log ratio|"], rows))
 
 
 def write_report(result: dict, profile: dict, path: Path) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
+from paperback.cli.profile_cmd import add_measure_args
 from paperback.quantization.model_pass import METHODS
 
 
@@ -38,6 +39,7 @@ def register(sub) -> None:
     p.add_argument("--window-tokens", type=int, default=512, help="profiling window (default 512)")
     p.add_argument("--weight-tokens", type=int, default=256, help="tokens weight units are profiled on")
     p.add_argument("--additivity-samples", type=int, default=24, help="mixed assignments checked (default 24)")
+    add_measure_args(p)
     p.add_argument("--calib-samples", type=int, default=16, help="calibration windows of the final quantization")
     p.add_argument("--eval-context", type=int, default=1024, help="held-out evaluation window (default 1024)")
     p.add_argument("--eval-windows", type=int, default=4, help="held-out evaluation windows (default 4)")
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(parse_bytes(args.memory), args.context, args.users)
     profile = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats),
                             window_tokens=args.window_tokens, weight_tokens=args.weight_tokens,
-                            additivity_samples=args.additivity_samples)
+                            additivity_samples=args.additivity_samples, measure=args.measure,
+                            weight_anchor=args.weight_anchor, check_samples=args.check_samples)
     parse_weight_candidates(profile.weight_schemes)
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
                        () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,

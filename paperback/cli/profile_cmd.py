@@ -40,11 +40,25 @@ def register(sub) -> None:
     p.add_argument("--span", type=float, default=0.5, help="leading fraction of the text to profile (default 0.5)")
     p.add_argument("--additivity-samples", type=int, default=24,
                    help="random mixed assignments measured against their summed prediction (default 24)")
+    add_measure_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where partial and finished profiles are kept (default ~/.cache/paperback/profiles)")
     add_json_arg(p)
     p.set_defaults(func=run)
+
+
+def add_measure_args(p) -> None:
+    """What a profile measures and what it estimates (shared with `fit`)."""
+    p.add_argument("--measure", choices=("anchored", "all"), default="anchored",
+                   help="anchored (default): measure each weight unit at one anchor scheme and each layer's KV cache "
+                        "in its fewest-bits format, estimate the other cells from their own block's output error "
+                        "scaled by the anchor's KL per unit of it, and measure a sample of the estimates as a "
+                        "check; all: measure every cell (about 3x slower)")
+    p.add_argument("--weight-anchor", default=None,
+                   help="the scheme each weight unit is measured at (default W3a-g128, or the middle candidate)")
+    p.add_argument("--check-samples", type=int, default=16,
+                   help="estimated cells also measured, to report how far the estimates are (default 16)")
 
 
 
@@ -56,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats), args.windows,
                            args.window_tokens, args.weight_tokens, span=args.span,
-                           additivity_samples=args.additivity_samples, seed=args.seed)
+                           additivity_samples=args.additivity_samples, seed=args.seed, measure=args.measure,
+                           weight_anchor=args.weight_anchor, check_samples=args.check_samples)
     parse_weight_candidates(config.weight_schemes)  # bad names fail before the model loads
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
@@ -84,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         note(f"additivity: {add['samples']} mixed assignments, predicted vs measured KL: Pearson "
              f"{add['pearson']:.3f}, Spearman {add['spearman']:.3f}, median measured/predicted "
              f"{add['median_measured_over_predicted']:.2f}")
+    check = summary["estimates"]
+    if check:
+        note(f"estimates: {check['samples']} estimated cells measured as well: median |log(estimate/measured)| "
+             f"{check['median_abs_log_ratio']:.2f} (p90 {check['p90_abs_log_ratio']:.2f}), Spearman "
+             f"{check['spearman']:.3f}")
     where = data.get("reused_from_cache")
     note(f"profile written to {args.output}" + (f" (reused {where})" if where else
                                                 f" in {sum(data['seconds'].values()):.0f} s"))
@@ -118,6 +138,8 @@ def profile_summary(data: dict) -> dict:
         retention.append([f"fp16, sinks {r['sink']} + last {window} of {r['long_tokens']}",
                           f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
     add = data.get("additivity")
+    check = (data.get("estimates") or {}).get("check")
     return {"weights": weights, "kv": kv, "retention": retention,
             "additivity": {k: v for k, v in add.items() if k != "points"} if add else None,
+            "estimates": {k: v for k, v in check.items() if k != "points"} if check else None,
             "seconds": data.get("seconds", {})}

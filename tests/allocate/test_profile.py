@@ -1,17 +1,19 @@
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from paperback.allocate.probe import ReferenceProbe
+from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import (ProfileConfig, Profiler, additivity_summary, load_profile, split_text)
 from paperback.allocate.token_importance import token_importance
 from paperback.errors import DatasetError, PaperbackError
 
 CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W2a-g64"), kv_formats=("fp16", "kivi2:r=32"),
                        windows=1, window_tokens=128, weight_tokens=64, calib_samples=1, additivity_samples=6)
+MEASURED = replace(CONFIG, measure="all")
 
 
 def sample_text(n=3000, seed=0):
@@ -19,9 +21,9 @@ def sample_text(n=3000, seed=0):
     return "".join(rng.choice("abcdefghij klmnop,.") for _ in range(n))
 
 
-@pytest.fixture
-def profiler(tiny_lm, char_tokenizer, tmp_path):
-    return Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+@pytest.fixture(params=[CONFIG, MEASURED], ids=["anchored", "all"])
+def profiler(request, tiny_lm, char_tokenizer, tmp_path):
+    return Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", request.param, tmp_path / "cache",
                     progress=False, model_label="tiny")
 
 
@@ -75,19 +77,73 @@ def test_interrupted_profile_resumes_and_never_looks_complete(profiler, tiny_lm,
     calls = []
     original = ReferenceProbe.kl_from
     monkeypatch.setattr(ReferenceProbe, "kl_from", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
-    again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+    config = profiler.config
+    again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", config, tmp_path / "cache",
                      progress=False)
     data = again.run()
-    # Only the KV layers (one kl_from per layer and format) and the retention options were left to measure;
-    # weights were kept.
+    # Only the KV layers and the retention options were left to measure; weights were kept.
     r = data["retention"]
     retention_cells = sum(len(cells) for name in [*r["variants"], "evict"] for cells in r[name].values())
     assert retention_cells == 2 * (2 * 1 + len(r["windows"])) and len(r["windows"]) == 2  # per layer: 2 x kivi2
-    assert len(calls) == 2 * 2 + retention_cells and data["complete"]
-    assert not again.partial_path.exists()
-    reused = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path / "cache",
+    if config.measure == "all":  # one kl_from per layer and format, and per retention cell
+        assert len(calls) == 2 * 2 + retention_cells
+    else:  # per layer: the KV anchor (kivi2) and the shortest eviction window; then the check's sample
+        check = data["estimates"]["check"]
+        assert len(calls) == 2 * 1 + 2 * 1 + check["samples"] and check["samples"] > 0
+    assert data["complete"] and not again.partial_path.exists()
+    reused = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", config, tmp_path / "cache",
                       progress=False).run()
     assert reused["reused_from_cache"] and reused["weights"] == data["weights"]
+
+
+def test_anchored_cells_are_the_anchor_factor_times_their_block_error(tiny_lm, char_tokenizer, tmp_path):
+    profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
+    data = profiler.run()
+    est = data["estimates"]
+    assert est["weight_anchor"] == "W2a-g64" and est["kv_anchor"] == "kivi2"  # the fewest bits of two
+    probe = ReferenceProbe(tiny_lm.model, profiler.text.windows[:, :CONFIG.weight_tokens], score_stride=2)
+    unit = next(u for u in profiler.units if u.name == "layers.1.mlp_down")
+    record = est["weights"][unit.name]
+    with swapped_weights(tiny_lm.model, profiler.unit_weights(unit, "W2a-g64")):
+        assert data["weights"]["kl"][unit.name]["W2a-g64"] == pytest.approx(probe.kl_from(1), rel=1e-5)
+        assert record["errors"]["W2a-g64"] == pytest.approx(probe.block_error(1), rel=1e-5)
+    assert record["estimated"] and record["factor"] == pytest.approx(
+        data["weights"]["kl"][unit.name]["W2a-g64"] / record["errors"]["W2a-g64"])
+    assert data["weights"]["kl"][unit.name]["W8s-ch"] == pytest.approx(record["factor"] * record["errors"]["W8s-ch"])
+    for layer, rec in est["kv"].items():
+        for label, error in rec["errors"].items():
+            if label != "kivi2":
+                assert data["kv"]["kl"][layer][label] == pytest.approx(rec["factor"] * error)
+        for name in data["retention"]["variants"]:  # the exact-token options reuse the layer's KV factor
+            assert est["retention"][name][layer]["factor"] == rec["factor"]
+    # The check's measured values are the cells measured directly.
+    point = next(p for p in est["check"]["points"] if p["kind"] == "weights")
+    name, label = point["cell"]
+    checked = next(u for u in profiler.units if u.name == name)
+    with swapped_weights(tiny_lm.model, profiler.unit_weights(checked, label)):
+        assert point["measured"] == pytest.approx(probe.kl_from(checked.layer), rel=1e-5)
+    assert point["estimated"] == data["weights"]["kl"][name][label]
+    assert {p["kind"] for p in est["check"]["points"]} == {"weights", "retention", "evict"}
+
+
+def test_a_weight_anchor_that_is_not_a_candidate_is_refused(tiny_lm, char_tokenizer, tmp_path):
+    with pytest.raises(PaperbackError, match="weight anchor W4a-g128 is not a candidate"):
+        Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", replace(CONFIG, weight_anchor="W4a-g128"),
+                 tmp_path, progress=False)
+    with pytest.raises(PaperbackError, match="unknown measure mode 'some'"):
+        replace(CONFIG, measure="some")
+
+
+def test_block_error_is_zero_for_the_model_itself_and_grows_with_the_change(tiny_lm):
+    probe = ReferenceProbe(tiny_lm.model, torch.randint(0, 256, (1, 64)))
+    assert probe.block_error(0) == pytest.approx(0.0, abs=1e-10)
+    layer = tiny_lm.model.model.layers[1].mlp.down_proj
+    errors = []
+    for scale in (0.01, 0.02):
+        noise = scale * torch.randn_like(layer.weight, generator=torch.Generator().manual_seed(0))
+        with swapped_weights(tiny_lm.model, {"model.layers.1.mlp.down_proj.weight": layer.weight + noise}):
+            errors.append(probe.block_error(1))
+    assert errors[1] == pytest.approx(4 * errors[0], rel=1e-3)  # linear in the weight change, squared
 
 
 def test_text_too_short_is_refused_before_work(tiny_lm, char_tokenizer, tmp_path):
