@@ -1,12 +1,13 @@
 """Equal bytes, three policies: uniform schemes, llama.cpp's mixing, and paperback's allocation.
 
     .venv/bin/python benchmarks/bench_allocation.py [--model smollm2] [--budgets W3a-g128 W3a-g64 W4a-g128 W4a-g64]
-        [--policies uniform llama.cpp paperback] [--windows 16] [--markdown]
+        [--policies uniform llama.cpp paperback paperback-all] [--windows 16] [--markdown]
 
 Each budget is the bytes of one uniform scheme over every block linear and
 the output head. At that budget, llama.cpp's mix (paperback.allocate.baselines)
 and paperback's allocation (the exact solve over the model's profile, weight
-units only) are built to the same bytes (within 1%, checked), each is
+units only; "paperback" reads the default anchored profile, "paperback-all"
+one with every cell measured) are built to the same bytes (within 1%, checked), each is
 quantized from a fresh copy of the model with the same method and
 calibration (pydoc, never the evaluation text; the profile read the first
 half of pydoc too; AWQ with the profile's lighter searches unless
@@ -14,7 +15,7 @@ half of pydoc too; AWQ with the profile's lighter searches unless
 WikiText-2 and PTB windows of 512 tokens. The KV cache is exact throughout:
 this table is about weights. Results go to
 benchmarks/results/allocation_<model>.json after every cell (a rerun skips
-cells already there unless --fresh), with a plot of KL against bits.
+cells already there unless --fresh, which redoes the chosen policies), with a plot of KL against bits.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from paperback.quantization.calibration import CalibrationConfig, calibration_ba
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
 from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
 
-POLICIES = ("uniform", "llama.cpp", "paperback")
+POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
 
 def paperback_policy(allocator: Allocator, budget: int) -> dict:
@@ -67,7 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--budgets", nargs="+", default=["W3a-g128", "W3a-g64", "W4a-g128", "W4a-g64"])
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES[:3]),
+                        help="paperback allocates from the default (anchored) profile, paperback-all from one "
+                             "with every cell measured (--measure all); default: the first three")
     parser.add_argument("--method", choices=["rtn", "gptq", "awq"], default="awq")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--full-awq", action="store_true",
@@ -75,18 +78,25 @@ def main() -> None:
                              "ones (grid 10, 512), for every policy alike")
     parser.add_argument("--windows", type=int, default=16, help="windows of 512 tokens per data set")
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
-    parser.add_argument("--fresh", action="store_true", help="redo cells already in the JSON")
+    parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells already in the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
     args = parser.parse_args()
     warn_if_busy()
     torch.manual_seed(0)
     out_name = f"allocation_{args.model}.json"
     previous = {} if args.fresh or not (RESULTS / out_name).exists() else json.loads((RESULTS / out_name).read_text())
-    cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])}
+    cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
+             if not (args.fresh and c["policy"] in args.policies)}
 
     full = load_model(args.model, "fp32")
-    profile = Profiler(full.model, full.tokenizer, load_text("pydoc"), "pydoc", ProfileConfig(args.method)).run()
-    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    profiles = {"paperback": ProfileConfig(args.method)}
+    if "paperback-all" in args.policies:
+        profiles["paperback-all"] = ProfileConfig(args.method, measure="all")
+    profiles = {name: Profiler(full.model, full.tokenizer, load_text("pydoc"), "pydoc", config).run()
+                for name, config in profiles.items()}
+    profile = profiles["paperback"]
+    allocators = {name: Allocator(p, full.model, Workload(10 ** 15, 1, 1)) for name, p in profiles.items()}
+    allocator = allocators["paperback"]
     units, shapes = allocator.units, param_shapes(allocator.units)
     candidates = list(allocator.schemes.values())
     calibration = calibration_batch(full.tokenizer, CalibrationConfig("pydoc", args.calib_samples, 512, span=0.5))
@@ -98,7 +108,7 @@ def main() -> None:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
         policies = {"uniform": lambda: uniform_policy(units, allocator.schemes[label]),
                     "llama.cpp": lambda: llama_cpp_mix(units, full.config.num_layers, candidates, budget),
-                    "paperback": lambda: paperback_policy(allocator, budget)}
+                    **{name: lambda name=name: paperback_policy(allocators[name], budget) for name in allocators}}
         for name in args.policies:
             if (label, name) in cells:
                 continue
@@ -115,7 +125,8 @@ def main() -> None:
             seconds = time.perf_counter() - start
             cell = {"budget": label, "policy": name, "bytes": used, "budget_bytes": budget,
                     "bits_per_weight": 8 * used / sum(u.numel for u in units),
-                    "predicted_kl": predicted_kl(profile, units, policy), "quantize_seconds": seconds,
+                    "predicted_kl": predicted_kl(profiles.get(name, profile), units, policy),
+                    "quantize_seconds": seconds,
                     "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
             for data, tokens in texts.items():
                 r = evaluate(lm.model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,
@@ -126,7 +137,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in cell.items() if k != "schemes"}), flush=True)
             write_results(out_name, {"model": args.model, "method": args.method, "windows": args.windows,
                                      "awq": "full" if args.full_awq else "profile (grid 10, 512 search tokens)",
-                                     "calibration": "pydoc", "profile_key": profile.get("reused_from_cache"),
+                                     "calibration": "pydoc",
+                                     "profiles": {n: p.get("reused_from_cache") for n, p in profiles.items()},
                                      "cells": list(cells.values())})
     rows = []
     for label in args.budgets:
@@ -157,7 +169,7 @@ def plot(model: str, data: list[str], cells: dict) -> None:
 
     fig, axes = plt.subplots(1, len(data), figsize=(5 * len(data), 3.8))
     for ax, d in zip(axes if len(data) > 1 else [axes], data):
-        for name, marker in zip(POLICIES, "osD"):
+        for name, marker in zip(POLICIES, "osDv"):
             points = sorted((c["bits_per_weight"], c[d]["kl"]) for (_, p), c in cells.items() if p == name)
             if points:
                 ax.plot(*zip(*points), marker=marker, label=name)

@@ -82,15 +82,27 @@ def test_check_budget_refuses_before_any_profile(tiny_lm):
         check_budget(tiny_lm.model, Workload(310 * 2 ** 20, 512, 1000), ("W4a-g64",), specs)
 
 
-def test_the_shipped_profile_is_the_bundled_models_and_allocates_quietly(smollm2, capfd):
-    """The profile shipped for SmolLM2 matches its weights; the solve prints nothing (fit --json stays JSON)."""
+def test_the_shipped_profiles_are_the_bundled_models_and_allocate_quietly(smollm2, capfd):
+    """Every shipped profile is complete and names its model; SmolLM2's match its weights, the default settings
+    find theirs (so `demo` and `fit` start at the allocation), and the solve prints nothing (fit --json)."""
     from importlib import resources
 
-    from paperback.allocate.profile import load_profile
+    from paperback.allocate.profile import ProfileConfig, Profiler, load_profile
+    from paperback.evaluation.datasets import load_text
 
-    shipped = [p for p in resources.files("paperback.data").joinpath("profiles").iterdir() if p.name.endswith(".json")]
-    assert shipped
-    profile = load_profile(Path(str(shipped[0])), smollm2.model)
+    shipped = [Path(str(p)) for p in resources.files("paperback.data").joinpath("profiles").iterdir()
+               if p.name.endswith(".json")]
+    profiles = {path: load_profile(path) for path in shipped}
+    assert {p["model"]["label"] for p in profiles.values()} == {"smollm2", "gemma3"}
+    for path, profile in profiles.items():
+        assert path.name.startswith(profile["model"]["fingerprint"][:16])
+    mine = [path for path, p in profiles.items() if p["model"]["label"] == "smollm2"]
+    assert len(mine) == 2  # the default (anchored) and every cell measured
+    for path in mine:
+        load_profile(path, smollm2.model)
+    default = Profiler(smollm2.model, smollm2.tokenizer, load_text("pydoc"), "pydoc", ProfileConfig(), progress=False)
+    profile = default._finished()
+    assert profile is not None and profile["estimates"]["mode"] == "anchored"
     capfd.readouterr()
     allocation = Allocator(profile, smollm2.model, Workload(800 * 2 ** 20, 8192, 8)).allocate()
     assert capfd.readouterr().out == ""
