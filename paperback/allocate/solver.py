@@ -42,6 +42,17 @@ def min_bytes(groups: list[Group]) -> float:
     return sum(g.cheapest().bytes for g in groups)
 
 
+def undominated(options: tuple[Option, ...]) -> list[Option]:
+    """The options worth considering: none with at least the bytes and the cost of another (of equal ones, the
+    first). Dropping the rest changes no optimum, and duplicate columns make HiGHS's MIP fail numerically."""
+    kept = []
+    for i, o in enumerate(options):
+        if not any((p.bytes <= o.bytes and p.cost <= o.cost) and (p.bytes < o.bytes or p.cost < o.cost or j < i)
+                   for j, p in enumerate(options) if j != i):
+            kept.append(o)
+    return kept
+
+
 def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     """{group name: chosen option} minimising total cost with total bytes <= capacity."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -53,12 +64,16 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     smallest = min_bytes(groups)
     if smallest > capacity:
         raise InfeasibleBudget(f"the smallest choice takes {smallest:,.0f} bytes, over the {capacity:,.0f} available")
-    options = [(gi, o) for gi, g in enumerate(groups) for o in g.options]
+    options = [(gi, o) for gi, g in enumerate(groups) for o in undominated(g.options)]
     scale = max(1.0, max(o.bytes for _, o in options))
     if smallest > capacity - 1e-6 * scale:  # within the solver's tolerance: only the smallest choice fits
         return {g.name: g.cheapest() for g in groups}
     n = len(options)
-    cost = np.array([o.cost for _, o in options], dtype=np.float64)
+    raw = np.array([o.cost for _, o in options], dtype=np.float64)
+    # Each group's cheapest cost is paid whatever is chosen: the same problem with only the excess over it,
+    # scaled to at most 1 (costs span 1e-8 to 10 nats).
+    floor = np.array([min(o.cost for o in g.options) for g in groups])[[gi for gi, _ in options]]
+    shifted = (raw - floor) / max(1e-12, float((raw - floor).max()))
     sizes = np.array([o.bytes for _, o in options], dtype=np.float64)
     one_per_group = np.zeros((len(groups), n))
     for j, (gi, _) in enumerate(options):
@@ -67,9 +82,16 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     # to about 1e-6 of its scale, so the bound is pulled in by that much to stay within the capacity.
     constraints = [LinearConstraint(one_per_group, 1, 1),
                    LinearConstraint(sizes[None, :] / scale, -np.inf, capacity / scale - 1e-6)]
+    # HiGHS (scipy 1.17) sometimes ends a MIP of this shape in "Solve error" (status 4) on one scaling of the
+    # costs and solves another: SmolLM2's anchored profile at the W4 g64 budget fails unshifted, a tiny test
+    # model's shifted. Each equivalent form is tried at a zero gap first, then at HiGHS's default gap (1e-4).
+    attempts = [(shifted, 0.0), (raw, 0.0), (shifted, None), (raw, None)]
     with _quiet_stdout():
-        result = milp(cost, constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
-                      options={"mip_rel_gap": 0.0})
+        for cost, gap in attempts:
+            result = milp(cost, constraints=constraints, integrality=np.ones(n), bounds=Bounds(0, 1),
+                          options={} if gap is None else {"mip_rel_gap": gap})
+            if result.status != 4:
+                break
     if result.status != 0 or result.x is None:
         raise PaperbackError(f"the allocation solver failed: {result.message}")
     chosen: dict[str, Option] = {}

@@ -126,3 +126,22 @@ def test_retention_options_come_from_the_profile_and_are_counted_like_the_planne
     policy = build_policy(tiny_lm.config, spec=evicting.kv_policy_spec())
     planned = kv_bytes(shape_from_config(tiny_lm.config, "tiny", ""), 400, policy, users=3, block_size=32)
     assert evicting.kv_bytes == pytest.approx(planned)
+
+
+@pytest.mark.parametrize("label", ["W3a-g128", "W3a-g64", "W4a-g128", "W4a-g64"])
+def test_the_solver_handles_the_shipped_profile_at_every_uniform_budget(smollm2, label):
+    """Unscaled costs made HiGHS fail ("Solve error") on the anchored profile at the W4 g64 budget."""
+    from importlib import resources
+
+    from paperback.allocate.baselines import param_shapes, policy_bytes, uniform_policy
+    from paperback.allocate.profile import load_profile
+    from paperback.allocate.solver import solve
+
+    path = resources.files("paperback.data").joinpath("profiles", "16d877b1f385a3d5-71f2ff5d99bdc1f9-3d1d7ac0460c.json")
+    allocator = Allocator(load_profile(Path(str(path))), smollm2.model, Workload(10 ** 15, 1, 1))
+    units = allocator.units
+    budget = policy_bytes(param_shapes(units), uniform_policy(units, allocator.schemes[label]))
+    chosen = solve(allocator.weight_groups(), budget)
+    uniform = sum(next(o for o in g.options if o.label == label).cost for g in allocator.weight_groups())
+    assert sum(o.bytes for o in chosen.values()) <= budget
+    assert sum(o.cost for o in chosen.values()) <= uniform

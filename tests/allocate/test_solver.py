@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
+from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve, undominated
 
 
 def brute_force(groups, capacity):
@@ -61,3 +61,11 @@ def test_infeasible_budget_is_refused():
     low = sum(min(o.bytes for o in g.options) for g in groups)
     with pytest.raises(InfeasibleBudget):
         solve(groups, low - 1)
+
+
+def test_dominated_and_duplicate_options_are_dropped_before_the_solve():
+    options = (Option("a", 10, 1.0), Option("a-again", 10, 1.0), Option("b", 12, 1.5), Option("c", 5, 2.0),
+               Option("d", 5, 3.0))
+    assert [o.label for o in undominated(options)] == ["a", "c"]  # b costs more bytes and more KL than a
+    chosen = solve([Group("x", options), Group("y", options)], 16)
+    assert sorted(o.label for o in chosen.values()) == ["a", "c"]
