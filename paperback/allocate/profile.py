@@ -543,6 +543,7 @@ class Profiler:
         units = {u.name: u for u in self.units}
         formats = {f.label: f for f in self.formats}  # native formats sit at the noise floor: not checked
         variants, evictions = self._retention_variants(), self._evictions()
+        evict_anchor = str(min(map(int, evictions))) if evictions else None
         r = self.data["retention"]
         long = None
 
@@ -571,7 +572,7 @@ class Profiler:
                           if rec["estimated"] for label in rec["errors"]],
             "evict": [((int(i), w), r["evict"][i][w], measure_evict)
                       for i, rec in estimates["evict"].items() if rec["estimated"]
-                      for w in rec["errors"] if w != str(min(self._evict_windows()))],
+                      for w in rec["errors"] if w != evict_anchor],
         }
         kinds = {kind: cells for kind, cells in kinds.items() if cells}
         rng = random.Random(self.config.seed + 1)
