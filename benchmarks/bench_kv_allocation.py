@@ -44,7 +44,7 @@ NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
 def allocated_policy(allocator: Allocator, budget: float, evict: bool) -> dict:
     """The per-layer KV choice (weights left exact) of least predicted KL within `budget` bytes."""
-    chosen = allocator.solve_windows(lambda window: allocator.kv_groups(window=window), budget, evict)
+    chosen = allocator.solve_exactly(allocator.kv_groups(evict=evict), budget)
     layers = {i: chosen[f"kv.{i}"].label for i in range(allocator.config.num_layers)}
     return {"spec": kv_policy_spec(layers), "predicted_kl": sum(o.cost for o in chosen.values())}
 

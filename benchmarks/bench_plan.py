@@ -14,12 +14,9 @@ each sequence holds at its longest (its blocks x each block's bytes in every
 layer's format, plus its staging slots), and the process's peak RSS while
 serving (reset after loading, whose dequantizing transient is reported
 apart) beside the plan's total with its runtime allowance. Each configuration runs
-in its own process. The engine does not yet free blocks that slide out of a
-sliding-window layer's window (Gemma 3), so the KV it holds, and the total
-the peak RSS is compared with, use the same arithmetic without the windows;
-the plan's own figure, which counts what a window-aware engine holds, is
-shown beside it. Writes
-benchmarks/results/plan_check.json.
+in its own process. The engine frees, group by group, the blocks that slide
+out of a sliding-window layer's window (Gemma 3's local layers), as the plan
+counts them. Writes benchmarks/results/plan_check.json.
 
 --allowance measures the allowance's two stated constants instead, one fresh
 process per model: the RSS a loaded tokenizer adds per vocabulary entry, and
@@ -33,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from results_io import RESULTS, run_worker, warn_if_busy, write_results
@@ -43,6 +39,8 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     import torch
 
     from paperback.bench.engines import peak_rss_bytes
+    from paperback.engine.block_manager import EVICTED
+    from paperback.engine.cache_groups import cache_groups
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.evaluation import load_text
@@ -71,13 +69,16 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
     shape = load_shape(model)
     step_tokens = 512  # the prefill chunk the plan's runtime allowance is sized for
     block_size = paged_block_size(layer_kv_schemes(shape, kv))  # as the engine picks it
-    # The pool holds what the users need plus one block each (admission keeps one free per running
-    # sequence), no more: the peak RSS then compares with the plan's total line by line.
-    blocks_needed = users * (-(-context // block_size) + 1)
+    # Each group's pool holds what the users need plus one block each (admission keeps one free per
+    # running sequence), no more: the peak RSS then compares with the plan's total line by line.
+    groups = cache_groups(lm.config, layer_kv_schemes(shape, kv))
+    blocks_needed = [users * (g.blocks_held(context, block_size, step_tokens) + 1) for g in groups]
     engine = LLMEngine(lm, kv=kv, num_blocks=blocks_needed, prefix_caching=False,
                        scheduler=SchedulerConfig(users, step_tokens))
     pool = engine.pool
-    block = sum(t[0].numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
+    # One block's bytes in each group's layers.
+    block = [sum(t[0].numel() * t.element_size() for i in g.layers for t in pool.layers[i].tensors())
+             for g in engine.blocks.groups]
     stage = sum(layer.stage_keys[0].numel() * layer.stage_keys.element_size() * 2
                 for layer in pool.layers if not layer.native)
     # Between steps a running sequence holds at most context - 2 tokens: the step that computes its 15th
@@ -93,36 +94,31 @@ def worker(model: str, kv: str, context: int, users: int) -> dict:
                 if s.num_computed == tokens and s.seq_id not in held:
                     # Its blocks in every layer's format plus its staging slots (sequences' KV add up, so
                     # the users need not reach this point in the same step).
-                    held[s.seq_id] = (len(engine.blocks.table(s.seq_id)) * block
+                    tables = engine.blocks.tables(s.seq_id)
+                    held[s.seq_id] = (sum((len(t) - t.count(EVICTED)) * b for t, b in zip(tables, block))
                                       + len(pool.seqs[s.seq_id].stage) * stage if s.seq_id in pool.seqs else 0)
             engine.step()
     measured_kv = sum(held.values()) if len(held) == users else 0
     predicted_kv = kv_bytes(shape, tokens, kv, users)
-    # This engine does not yet free the blocks that slide out of a sliding layer's window: it holds
-    # every layer's full context, which the same arithmetic predicts without the windows.
-    full_context = replace(shape, layer_windows=(None,) * shape.num_layers)
-    predicted_engine_kv = kv_bytes(full_context, tokens, kv, users)
     rss = peak_rss_bytes()
     predicted_weights = weight_bytes(shape, "bf16").total
     allowance = runtime_allowance(shape, step_tokens, users)
     return {"model": model, "kv": kv, "context": context, "users": users,
             "weights_predicted": predicted_weights, "weights_measured": module_bytes(lm.model),
-            "kv_predicted": predicted_kv, "kv_predicted_without_windows": predicted_engine_kv,
-            "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
-            # The total counts the KV this engine holds (no windows), so peak RSS compares line by line.
+            "kv_predicted": predicted_kv, "kv_measured": measured_kv, "block_size": engine.blocks.block_size,
             "allowance": allowance.to_dict(),
-            "total_predicted": predicted_weights + predicted_engine_kv + allowance.total,
+            "total_predicted": predicted_weights + predicted_kv + allowance.total,
             "peak_rss": rss, "peak_rss_while_loading": loading_peak}
 
 
 def markdown(rows: list[dict]) -> str:
     mib = 2 ** 20
-    lines = ["| model | KV | context x users | weights pred / meas MiB | KV plan MiB | KV pred, no windows / meas MiB "
-             "| runtime allowance MiB | total pred MiB | peak RSS MiB (ratio) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | KV | context x users | weights pred / meas MiB | KV pred / meas MiB "
+             "| runtime allowance MiB | total pred MiB | peak RSS MiB (ratio) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['kv']} | {r['context']} x {r['users']} | {r['weights_predicted'] / mib:.1f} / "
-                     f"{r['weights_measured'] / mib:.1f} | {r['kv_predicted'] / mib:.2f} | "
-                     f"{r['kv_predicted_without_windows'] / mib:.2f} / {r['kv_measured'] / mib:.2f} | "
+        lines.append(f"| {r['model']} | {r['kv']} | {r['context']} x {r['users']} | "
+                     f"{r['weights_predicted'] / mib:.1f} / {r['weights_measured'] / mib:.1f} | "
+                     f"{r['kv_predicted'] / mib:.2f} / {r['kv_measured'] / mib:.2f} | "
                      f"{r['allowance']['total'] / mib:.0f} | {r['total_predicted'] / mib:.0f} | "
                      f"{r['peak_rss'] / mib:.0f} ({r['peak_rss'] / r['total_predicted']:.3f}) |")
     return "\n".join(lines)
@@ -226,19 +222,28 @@ def run() -> int:
                                            f"{model} {kv} {context} x {users}"))
     mib = 2 ** 20
 
+    def key(row):
+        return row["model"], row["kv"], row["context"], row["users"]
+
+    # Rows of other configurations in the JSON stay (a run of one model keeps the other's).
+    path = RESULTS / "plan_check.json"
+    done = {key(r) for r in rows}
+    kept = [r for r in json.loads(path.read_text())["rows"] if key(r) not in done] if path.exists() else []
+
     def ratio(a, b):
         return f"{a / b:.3f}" if b else "-"
 
     print_table("predicted (paperback plan) vs measured (engine, bf16), MiB",
                 ["model", "KV", "context", "users", "weights pred", "weights meas", "ratio", "KV pred",
-                 "KV pred, no windows", "KV meas", "ratio", "total pred", "peak RSS", "ratio"],
+                 "KV meas", "ratio", "total pred", "peak RSS", "ratio"],
                 [[r["model"], r["kv"], r["context"], r["users"], f"{r['weights_predicted'] / mib:.1f}",
                   f"{r['weights_measured'] / mib:.1f}", ratio(r["weights_measured"], r["weights_predicted"]),
-                  f"{r['kv_predicted'] / mib:.2f}", f"{r['kv_predicted_without_windows'] / mib:.2f}",
-                  f"{r['kv_measured'] / mib:.2f}", ratio(r["kv_measured"], r["kv_predicted_without_windows"]),
+                  f"{r['kv_predicted'] / mib:.2f}", f"{r['kv_measured'] / mib:.2f}",
+                  ratio(r["kv_measured"], r["kv_predicted"]),
                   f"{r['total_predicted'] / mib:.0f}", f"{r['peak_rss'] / mib:.0f}",
                   ratio(r["peak_rss"], r["total_predicted"])] for r in rows])
-    write_results("plan_check.json", {"rows": rows})
+    write_results("plan_check.json", {"rows": sorted(kept + rows, key=lambda r: (
+        ["smollm2", "gemma3"].index(r["model"]) if r["model"] in ("smollm2", "gemma3") else 2, *key(r)))})
     return 0
 
 

@@ -9,10 +9,12 @@ Token retention is part of each layer's KV choice: every quantized format
 also with its first RETENTION_SINK tokens exact (when the profile measured
 that). StreamingLLM eviction (sinks plus a window, the middle dropped) is
 considered only when asked (`evict=True`): it gives up retrieval of anything
-outside the window, which KL on running text does not see. The paged engine
-frees a block only once every layer has evicted it, so eviction is one
-window for all layers: each window is solved exactly on its own and the
-best kept.
+outside the window, which KL on running text does not see. It is a
+per-layer choice like the others, at each measured window: the paged
+engine keeps a block table per group of layers that free blocks alike
+(`paperback.engine.cache_groups`), so a layer that evicts holds only its
+sinks and window while the others keep every token, and the bytes of each
+layer's option do not depend on the others'.
 """
 
 from __future__ import annotations
@@ -134,31 +136,32 @@ class Allocator:
         r = self.retention
         return {name: tuple(v) for name, v in r.get("variants", {}).items()} if r.get("complete") else {}
 
-    def kv_groups(self, allowed: set[str] | None = None, window: tuple[int, int] | None = None) -> list[Group]:
+    def kv_groups(self, allowed: set[str] | None = None, evict: bool = False) -> list[Group]:
         """Per layer, every format, and every quantized one also with each measured exact-token variant
-        (sinks, a short recent window); with `window` (at the context, measured), every option evicts to
-        its sinks and that window, the measured eviction cost added. `allowed` names exact options
-        ('kivi2' is kivi2 alone)."""
+        (sinks, a short recent window); with `evict`, also each of those evicting to its sinks and each
+        measured window (`eviction_windows`), the layer's measured eviction cost added. `allowed` names
+        exact options ('kivi2' is kivi2 alone)."""
         w = self.workload
         variants = self.exact_variants()
         sink = self.retention.get("sink", 0)
-        choices = []  # (stored spec, its scheme, format spec, measured variant or None), the same in every layer
-        for spec, scheme in self.formats.items():
-            kinds = [(None, 0, 0)] + [(name, s, r) for name, (s, r) in variants.items() if not scheme.is_native]
-            if window:  # eviction keeps sinks: the measured variants, or fp16's own sinks
-                kinds = [k for k in kinds if k[0]] or ([(None, sink, 0)] if scheme.is_native else [])
-            for variant, sinks, recent in kinds:
-                kept = with_retention(spec, sinks, window[0] if window else 0, recent)
-                if allowed is None or kept in allowed:  # allowed names exact options
-                    choices.append((kept, parse_kv_candidates([kept], self.config)[0], spec, variant))
-        groups = []
-        for i in range(self.config.num_layers):
-            evict_cost = self.retention["evict"][str(i)][str(window[1])] if window else 0.0
-            groups.append(Group(f"kv.{i}", tuple(
-                Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context, self.block_size),
-                       self.kv_cost(i, spec, variant) + evict_cost)
-                for kept, stored, spec, variant in choices)))
-        return groups
+        # (stored spec, its scheme, format spec, measured variant or None, measured window or None), the same
+        # in every layer.
+        choices = []
+        for window in [None] + (self.eviction_windows() if evict else []):
+            for spec, scheme in self.formats.items():
+                kinds = [(None, 0, 0)] + [(name, s, r) for name, (s, r) in variants.items() if not scheme.is_native]
+                if window:  # eviction keeps sinks: the measured variants, or fp16's own sinks
+                    kinds = [k for k in kinds if k[0]] or ([(None, sink, 0)] if scheme.is_native else [])
+                for variant, sinks, recent in kinds:
+                    kept = with_retention(spec, sinks, window[0] if window else 0, recent)
+                    if allowed is None or kept in allowed:  # allowed names exact options
+                        choices.append((kept, parse_kv_candidates([kept], self.config)[0], spec, variant,
+                                        window[1] if window else None))
+        evict_costs = self.retention.get("evict", {})
+        return [Group(f"kv.{i}", tuple(
+            Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context, self.block_size),
+                   self.kv_cost(i, spec, variant) + (evict_costs[str(i)][str(measured)] if measured else 0.0))
+            for kept, stored, spec, variant, measured in choices)) for i in range(self.config.num_layers)]
 
     def capacity(self) -> float:
         return self.workload.memory - self.runtime - self.fixed_bytes
@@ -166,30 +169,18 @@ class Allocator:
     def allocate(self, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
                  evict: bool = False) -> Allocation:
         """The least predicted KL within the budget, over the allowed options (all by default); with
-        `evict`, also over each measured eviction window."""
-        def groups_for(window):
-            return self.weight_groups(weight_options) + self.kv_groups(kv_options, window)
+        `evict`, any layer may also evict at each measured window."""
+        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict)
+        return self._allocation(self.solve_exactly(groups, self.capacity()))
 
-        return self._allocation(self.solve_windows(groups_for, self.capacity(), evict))
-
-    def solve_windows(self, groups_for, capacity: float, evict: bool) -> dict[str, Option]:
-        """The exact solve of groups_for(window) within `capacity` bytes, keeping every token (window None)
-        and, with `evict`, at each eviction window; the least predicted KL of those that fit."""
-        best, kept_all = None, None
-        for window in [None] + (self.eviction_windows() if evict else []):
-            groups = groups_for(window)
-            if any(not g.options for g in groups):
-                raise PaperbackError("no candidate left to choose from after restricting the options")
-            kept_all = kept_all or groups
-            try:
-                chosen = solve(groups, capacity)
-            except InfeasibleBudget:
-                continue
-            if best is None or sum(o.cost for o in chosen.values()) < sum(o.cost for o in best.values()):
-                best = chosen
-        if best is None:
-            raise InfeasibleBudget(self.infeasible_message(kept_all))
-        return best
+    def solve_exactly(self, groups: list[Group], capacity: float) -> dict[str, Option]:
+        """The exact solve within `capacity` bytes, or a message naming the nearest feasible point."""
+        if any(not g.options for g in groups):
+            raise PaperbackError("no candidate left to choose from after restricting the options")
+        try:
+            return solve(groups, capacity)
+        except InfeasibleBudget:
+            raise InfeasibleBudget(self.infeasible_message(groups)) from None
 
     def budget_curve(self, points: int = 24) -> list[dict]:
         """Predicted KL of the best allocation at budgets from the least that fits to the most any option

@@ -35,7 +35,7 @@ class FitConfig:
     needle_depths: tuple[float, ...] = (0.25, 0.5, 0.75)
     needle_context: int | None = None  # None: the workload's context, capped by the model's positions
     breakdown_kl: float = 0.5  # predicted KL (nats/token) past which quality counts as broken down
-    evict: bool = False  # may the allocation evict (StreamingLLM: sinks plus a window, one for all layers)
+    evict: bool = False  # may layers evict (StreamingLLM: sinks plus a window, chosen per layer)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from paperback.errors import PaperbackError
 from paperback.kv.families import DEFAULT_CANDIDATES
-from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme
+from paperback.kv.schemes import KVScheme, layer_retention, paged_block_size, parse_kv_scheme
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import parse_weight_scheme
 from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM
@@ -139,10 +139,9 @@ def retention_label(sink: int, window: int, recent: int | None = None) -> str:
 
 def kv_layer_bytes(scheme: KVScheme, config: ModelConfig, layer: int, context: int, block_size: int) -> float:
     """Bytes one sequence of `context` tokens holds in one layer's paged cache."""
-    window = config.window_of(layer)
-    tokens = min(context, window) if window else context
     channels = 2 * config.num_kv_heads * config.head_dim
-    return channels * scheme.paged_bits(tokens, config.head_dim, block_size) / 8
+    retention = layer_retention(scheme, config.window_of(layer))
+    return channels * scheme.paged_bits(context, config.head_dim, block_size, pool=retention) / 8
 
 
 def pool_block_size(formats: list[KVScheme]) -> int:

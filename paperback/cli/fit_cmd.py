@@ -48,8 +48,8 @@ def register(sub) -> None:
                         "0.25,0.5,0.75)")
     p.add_argument("--no-needles", action="store_true", help="skip needle retrieval at the target context")
     p.add_argument("--evict", action="store_true",
-                   help="let the allocation evict old tokens (StreamingLLM: attention sinks plus a window, one "
-                        "window for every layer); it cannot retrieve what it evicted, so it is off by default")
+                   help="let the allocation evict old tokens in chosen layers (StreamingLLM: attention sinks plus "
+                        "a window); they cannot retrieve what they evicted, so it is off by default")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")

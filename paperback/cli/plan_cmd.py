@@ -84,16 +84,6 @@ def run(args: argparse.Namespace) -> int:
                  "total GiB", "headroom", "fits", f"max ctx ({args.users} users)", f"max users ({args.context})"],
                 rows)
     verdict = report["verdict"]
-    if any(shape.layer_windows):
-        from dataclasses import replace
-
-        from paperback.plan.arithmetic import kv_bytes
-
-        unwindowed = kv_bytes(replace(shape, layer_windows=(None,) * shape.num_layers), args.context,
-                              policies.get(report["rows"][0]["kv"]) or report["rows"][0]["kv"], args.users)
-        note(f"sliding-window layers are counted at their window, as an engine that frees blocks sliding out "
-             f"of it holds them; paperback serve does not free them yet and holds {unwindowed / gib:.2f} GiB of "
-             f"{report['rows'][0]['kv']} cache here")
     if "warning" in verdict:
         note(f"warning: {verdict['warning']}")
     base = report["rows"][0]

@@ -47,6 +47,9 @@ def register(sub) -> None:
     p.add_argument("--memory", default=None,
                    help="total memory budget: the KV pool gets what remains after the weights")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus completion a request may have (default: the model's context); the KV "
+                        "memory is split between layer groups that free blocks differently for sequences this long")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
     p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
@@ -91,11 +94,14 @@ def run(args: argparse.Namespace) -> int:
     policy = build_policy(lm.config, kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
     engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
                        prefix_caching=not args.no_prefix_caching,
-                       scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens))
+                       scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens),
+                       max_model_len=args.max_model_len)
     runner = AsyncEngine(engine, max_waiting=args.max_waiting)
     name = args.served_name or lm.source.label
-    note(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.blocks.num_blocks} KV blocks of "
-         f"{args.block_size} tokens)")
+    pools = " + ".join(f"{m.num_blocks} ({len(g.layers)} layers" + (f", window {g.window})" if g.window else ")")
+                       for g, m in zip(engine.blocks.groups, engine.blocks.managers))
+    note(f"serving {name} on http://{args.host}:{args.port}/v1 (KV blocks of {engine.blocks.block_size} tokens: "
+         f"{pools}; up to {engine.max_model_len} tokens a request)")
     try:
         uvicorn.run(create_app(runner, name), host=args.host, port=args.port, log_level="warning")
     finally:

@@ -133,10 +133,11 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None) -> bool:
+    def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None,
+                     max_cached: int | None = None) -> bool:
         """Whether allocate() would succeed now and leave `keep_free` blocks free (cached prefix blocks
         cost nothing)."""
-        cached = self._cached_prefix(tokens)
+        cached = self._cached_prefix(tokens, max_cached)
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         slots = self._slots(len(tokens), len(cached), max_new)
         return self.blocks_needed(slots) - len(cached) <= self.num_free - reused_free - keep_free
@@ -145,11 +146,17 @@ class BlockManager:
         cached = cached_blocks * self.block_size
         return num_tokens if max_new is None else min(num_tokens, cached + max_new)
 
-    def _cached_prefix(self, tokens: list[int]) -> list[int]:
+    def cached_blocks(self, tokens: list[int]) -> int:
+        """Leading blocks of `tokens` the prefix cache holds now."""
+        return len(self._cached_prefix(tokens))
+
+    def _cached_prefix(self, tokens: list[int], max_cached: int | None = None) -> list[int]:
         if not self.prefix_caching:
             return []
         # Never the whole prompt: its last token must be computed to produce logits.
         full = (len(tokens) - 1) // self.block_size
+        if max_cached is not None:  # another group of layers caches less of it
+            full = min(full, max_cached)
         found = []
         for h in self._block_hashes(tokens[:full * self.block_size]):
             block_id = self.cached.get(h)
@@ -158,16 +165,18 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None) -> int:
+    def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None,
+                 max_cached: int | None = None) -> int:
         """Blocks for a new sequence's prompt (or, with `max_new`, for its cached prefix and the next
-        `max_new` tokens only; append_slots adds the rest); returns how many leading tokens are cached."""
+        `max_new` tokens only; append_slots adds the rest); returns how many leading tokens are cached
+        (at most `max_cached` blocks of them)."""
         if seq_id in self.seqs:
             raise PaperbackError(f"sequence {seq_id} already has blocks")
         if not tokens:
             raise PaperbackError("cannot allocate an empty sequence")
-        cached = self._cached_prefix(tokens)
+        cached = self._cached_prefix(tokens, max_cached)
         slots = self._slots(len(tokens), len(cached), max_new)
-        if not self.can_allocate(tokens, max_new=max_new):
+        if not self.can_allocate(tokens, max_new=max_new, max_cached=max_cached):
             raise NoFreeBlocks(f"{self.blocks_needed(slots) - len(cached)} blocks needed, {self.num_free} free")
         seq = SequenceBlocks()
         for block_id in cached:
@@ -192,10 +201,7 @@ class BlockManager:
         seq = self.seqs[seq_id]
         copies = []
         last_filled = seq.num_tokens % self.block_size
-        if last_filled and self.blocks[seq.table[-1]].ref_count > 1:
-            need_new = 1 + self.blocks_needed(max(0, num_new - (self.block_size - last_filled)))
-        else:
-            need_new = self.blocks_needed(seq.num_tokens + num_new) - len(seq.table)
+        need_new = self.blocks_to_append(seq_id, num_new)
         if need_new > self.num_free:
             raise NoFreeBlocks(f"{need_new} blocks needed, {self.num_free} free")
         if last_filled and self.blocks[seq.table[-1]].ref_count > 1:
@@ -208,6 +214,15 @@ class BlockManager:
         while len(seq.table) < self.blocks_needed(seq.num_tokens):
             seq.table.append(self._take_free())
         return copies
+
+    def blocks_to_append(self, seq_id: int, num_new: int) -> int:
+        """Free blocks append_slots(seq_id, num_new) takes (a copy of a shared, partly filled last block
+        included)."""
+        seq = self.seqs[seq_id]
+        last_filled = seq.num_tokens % self.block_size
+        if last_filled and self.blocks[seq.table[-1]].ref_count > 1:
+            return 1 + self.blocks_needed(max(0, num_new - (self.block_size - last_filled)))
+        return self.blocks_needed(seq.num_tokens + num_new) - len(seq.table)
 
     def commit(self, seq_id: int, tokens: list[int], final_blocks: int | None = None) -> None:
         """Register the sequence's newly full blocks in the prefix cache, once their KV is written.

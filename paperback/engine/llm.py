@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from paperback.engine.block_manager import BlockManager
+from paperback.engine.cache_groups import GroupedBlocks, cache_groups, split_blocks
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
 from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from paperback.errors import ContextLengthError, PaperbackError
@@ -30,11 +30,12 @@ from paperback.kv.schemes import paged_block_size
 from paperback.memory import dtype_bytes
 
 
-def block_bytes(config, policy: KVPolicy, block_size: int) -> int:
-    """Bytes one block takes in every layer, in each layer's format (the same bits the formats report)."""
+def block_bytes(config, policy: KVPolicy, block_size: int, layers=None) -> int:
+    """Bytes one block takes in each of `layers` (default: all), in each layer's format (the same bits the
+    formats report)."""
     elements = 2 * config.num_kv_heads * block_size * config.head_dim
-    return sum(math.ceil(elements * policy.scheme_for(i).bits_per_element(config.head_dim) / 8)
-               for i in range(config.num_layers))
+    layers = range(config.num_layers) if layers is None else layers
+    return sum(math.ceil(elements * policy.scheme_for(i).bits_per_element(config.head_dim) / 8) for i in layers)
 
 
 @dataclass
@@ -78,11 +79,18 @@ class LLMEngine:
     """kv: a KV format for every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, ...; see paperback.kv),
     or a KVPolicy. The block size grows to a multiple of every format's token group (KIVI: 32).
     Quantized formats also reserve exact staging blocks for each running sequence's recent window.
+
+    Layers that free blocks alike form a cache group with its own pool and block tables
+    (`paperback.engine.cache_groups`): sliding-window layers and layers whose format evicts hold only
+    their window. `kv_memory` is split between the groups so that each runs out at the same number of
+    sequences of `max_model_len` tokens (default: the model's context); `num_blocks` gives every group
+    that many blocks instead (or a list: each group its own).
     """
 
-    def __init__(self, lm, kv: str | KVPolicy = "fp32", kv_memory: int | None = None, num_blocks: int | None = None,
+    def __init__(self, lm, kv: str | KVPolicy = "fp32", kv_memory: int | None = None,
+                 num_blocks: int | list[int] | None = None,
                  block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig(),
-                 kv_amax: dict | None = None):
+                 kv_amax: dict | None = None, max_model_len: int | None = None):
         self.lm, self.model, self.tokenizer = lm, lm.model, lm.tokenizer
         config = self.model.config
         policy = kv if isinstance(kv, KVPolicy) else build_policy(config, kv)
@@ -91,8 +99,13 @@ class LLMEngine:
             kv_amax = default_kv_amax(lm)
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
         block_size = paged_block_size(schemes, block_size)
+        groups = cache_groups(config, schemes)
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        if self.max_model_len > config.max_position_embeddings:
+            raise PaperbackError(f"max_model_len {self.max_model_len} exceeds the model's context of "
+                                 f"{config.max_position_embeddings} tokens")
         stage_blocks = 0
-        per_block = block_bytes(config, policy, block_size)
+        per_block = [block_bytes(config, policy, block_size, g.layers) for g in groups]
         per_seq = PagedKVPool.stage_blocks_per_seq(block_size, schemes)
         if per_seq:
             # Exact blocks for the sinks and recent window of every running sequence (the scheduler counts a
@@ -104,24 +117,20 @@ class LLMEngine:
         if num_blocks is None:
             if kv_memory is None:
                 raise PaperbackError("give the KV cache a memory budget (kv_memory) or a number of blocks")
-            num_blocks = (kv_memory - stage_bytes) // per_block
-        if num_blocks < 1:
-            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {per_block} bytes "
+            pools = split_blocks(groups, per_block, kv_memory - stage_bytes, self.max_model_len, block_size,
+                                 scheduler.max_step_tokens)
+        else:
+            pools = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if min(pools) < 1:
+            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {sum(per_block)} bytes "
                                  f"(after {stage_bytes} bytes of staging for the exact recent windows)")
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, salt=salt)
-        self.pool = PagedKVPool(config, policy, num_blocks, block_size, self.model.dtype, stage_blocks,
-                                self.model.device, kv_amax)
-        held = None
-        if self.pool.evict_window:  # every layer evicts: a sequence holds its sinks, its window and a step's chunk
-            bound = (self.pool.evict_sink_blocks + -(-(self.pool.evict_window + scheduler.max_step_tokens)
-                                                      // block_size) + 1)
-
-            def held(tokens: int) -> int:
-                return min(self.blocks.blocks_needed(tokens), bound)
+        self.blocks = GroupedBlocks(groups, pools, block_size, prefix_caching, salt, scheduler.max_step_tokens)
+        self.pool = PagedKVPool(config, policy, pools, block_size, self.model.dtype, stage_blocks,
+                                self.model.device, kv_amax, groups)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
-                                   on_free=lambda seq: self.pool.release(seq.seq_id), blocks_held=held)
+                                   on_free=lambda seq: self.pool.release(seq.seq_id))
         self.requests: dict[str, _Request] = {}
         self.positions_computed = 0  # token positions run through the model, recomputed ones included
         self._seq_ids = itertools.count()
@@ -130,12 +139,12 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         request_id = request_id or f"req-{next(self._request_ids)}"
-        limit = self.model.config.max_position_embeddings
+        limit = self.max_model_len
         if not prompt_ids:
             raise PaperbackError("the prompt is empty")
         if len(prompt_ids) + params.max_tokens > limit:
             raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                     f"exceeds the model's context of {limit} tokens")
+                                     f"exceeds the engine's context of {limit} tokens (max_model_len)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params)
         seq.generator = make_generator(params)
         self.scheduler.add(seq)
@@ -159,14 +168,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
-        for src, dst in plan.copies:
-            self.pool.copy_block(src, dst)
+        for group, src, dst in plan.copies:
+            self.pool.copy_block(group, src, dst)
         if not plan.work:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise PaperbackError("the KV pool cannot hold the next waiting request")
             return []
         device = self.pool.device
-        seqs = [StepSequence(s.seq_id, n, s.num_computed + n, torch.tensor(self.blocks.table(s.seq_id), device=device))
+        seqs = [StepSequence(s.seq_id, n, s.num_computed + n,
+                             tuple(torch.tensor(t, device=device) for t in self.blocks.tables(s.seq_id)))
                 for s, n in plan.work]
         batch = StepBatch(self.pool, seqs)
         ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]],
@@ -180,7 +190,7 @@ class LLMEngine:
             seq.num_computed += n
             final = self.pool.final_blocks(seq.seq_id, seq.num_computed)
             self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed], final)
-            self.blocks.evict(seq.seq_id, *self.pool.evictable(seq.num_computed))
+            self.blocks.evict(seq.seq_id, seq.num_computed)
             if seq.num_computed == seq.num_tokens:  # this step reached its last token: sample the next
                 ends.append(offset - 1)
                 samplers.append(seq)

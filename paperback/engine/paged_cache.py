@@ -1,7 +1,7 @@
 """Physical KV storage in blocks, in any KV format, and one engine step's view of it.
 
-`PagedKVPool` stores, per layer, `num_blocks` blocks of `block_size` token
-slots in that layer's format (a `KVPolicy` picks it):
+`PagedKVPool` stores, per layer, its cache group's `num_blocks` blocks of
+`block_size` token slots in that layer's format (a `KVPolicy` picks it):
 
 - **native** layers (fp32 / fp16 / bf16) keep a (num_blocks, Hkv, bs, D)
   tensor for keys and one for values, written token by token;
@@ -14,12 +14,14 @@ slots in that layer's format (a `KVPolicy` picks it):
   `paperback.kv.QuantizedKVCache`.
 
 Retention: a quantized layer's sink blocks (`sink=`) stay in staging, exact,
-for the sequence's life. With a retention window in every layer, blocks
-wholly before every layer's window (sinks aside) are evicted: the engine asks
-`evictable` after each step and the block manager frees them. A layer whose
-window is narrower than another's only stops reading them.
+for the sequence's life. Layers are stored by cache group
+(`paperback.engine.cache_groups`): layers that free blocks alike (every
+token kept, a sliding window, sinks plus a window) share block ids and a
+block table, and each group's storage holds its own pool's blocks. After
+each step the engine gives back, group by group, the blocks wholly before
+the group's window (sinks aside).
 
-The block manager decides which blocks a sequence owns; the pool stores
+The block managers decide which blocks a sequence owns; the pool stores
 bytes and, per sequence, which staging slots hold its unencoded blocks.
 
 `StepBatch` packs the new tokens of several sequences into one row: linear
@@ -37,17 +39,18 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
+from paperback.engine.cache_groups import CacheGroup, cache_groups
 from paperback.engine.paged_attention import decode_kernel_available, paged_attention, paged_decode_attention
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.families import NATIVE
-from paperback.kv.schemes import pool_retention
 from paperback.models.config import ModelConfig
 
 
 class _Layer:
-    def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, num_blocks: int, block_size: int,
-                 stage_blocks: int, dtype: torch.dtype, device, amax=None):
+    def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, group: int, num_blocks: int,
+                 block_size: int, stage_blocks: int, dtype: torch.dtype, device, amax=None):
+        self.group = group  # the cache group whose block ids and table it uses
         self.scheme = policy.scheme_for(idx)
         self.native = self.scheme.is_native
         self.window = self.scheme.window or config.window_of(idx)  # what its attention reads
@@ -87,20 +90,28 @@ class _SeqState:
 
 
 class PagedKVPool:
-    def __init__(self, config: ModelConfig, policy: KVPolicy, num_blocks: int, block_size: int,
+    def __init__(self, config: ModelConfig, policy: KVPolicy, num_blocks: int | list[int], block_size: int,
                  dtype: torch.dtype, stage_blocks: int = 0, device: torch.device | str = "cpu",
-                 kv_amax: dict | None = None):
-        """kv_amax: {layer: (key amax, value amax)} from paperback.kv.calibrate, for calibrated FP8 layers."""
+                 kv_amax: dict | None = None, groups: list[CacheGroup] | None = None):
+        """num_blocks: each cache group's pool (one number: the same for every group).
+        kv_amax: {layer: (key amax, value amax)} from paperback.kv.calibrate, for calibrated FP8 layers."""
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.groups = groups or cache_groups(config, [policy.scheme_for(i) for i in range(config.num_layers)])
+        self.num_blocks = [num_blocks] * len(self.groups) if isinstance(num_blocks, int) else list(num_blocks)
         self.device = torch.device(device)
-        self.layers = [_Layer(policy, i, config, num_blocks, block_size, stage_blocks, dtype, device,
-                              (kv_amax or {}).get(i)) for i in range(config.num_layers)]
+        group_of = {i: g for g, group in enumerate(self.groups) for i in group.layers}
+        self.layers = [_Layer(policy, i, config, group_of[i], self.num_blocks[group_of[i]], block_size, stage_blocks,
+                              dtype, device, (kv_amax or {}).get(i)) for i in range(config.num_layers)]
+        for group in self.groups:
+            for i in group.layers:
+                scheme = self.layers[i].scheme
+                if group.window and not scheme.is_native and group.window <= scheme.residual:
+                    raise PaperbackError(f"layer {i}: its window of {group.window} tokens must exceed {scheme.label}'s "
+                                         f"exact recent window of {scheme.residual}: tokens are encoded before they "
+                                         "are freed")
         # Native layers whose storage the C decode kernel reads (CPU, a dtype it knows; it has no sinks).
         self.kernel_decodes = [layer.native and not layer.scheme.sink and decode_kernel_available(layer.keys)
                                for layer in self.layers]
-        window, sink = pool_retention(layer.scheme for layer in self.layers)
-        self.evict_window, self.evict_sink_blocks = window, -(-sink // block_size)
         # Sink blocks some quantized layer reads from staging keep their slot for the sequence's life.
         self.stage_sink_blocks = max((layer.sink_blocks for layer in self.layers if not layer.native), default=0)
         quantized = [layer.scheme for layer in self.layers if not layer.native]
@@ -122,14 +133,6 @@ class PagedKVPool:
             return 0
         sink, residual = max(s.sink for s in quantized), max(s.residual for s in quantized)
         return -(-sink // block_size) + -(-residual // block_size) + 2
-
-    def evictable(self, seq_len: int) -> tuple[int, int]:
-        """[lo, hi): the sequence's blocks no layer reads again once it holds `seq_len` tokens (empty
-        unless every layer evicts). The next query, at seq_len, reads keys from seq_len - window + 1."""
-        if not self.evict_window:
-            return 0, 0
-        return self.evict_sink_blocks, max(self.evict_sink_blocks, (seq_len - self.evict_window + 1)
-                                           // self.block_size)
 
     @property
     def nbytes(self) -> int:
@@ -172,11 +175,13 @@ class PagedKVPool:
             if b >= state.all_flushed and b not in state.stage:
                 state.stage[b] = self._take_stage()
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write of a main block in every layer (staged blocks are per sequence already)."""
+    def copy_block(self, group: int, src: int, dst: int) -> None:
+        """Copy-on-write of a main block in every layer of a cache group (staged blocks are per sequence
+        already)."""
         for layer in self.layers:
-            for t in layer.tensors():
-                t[dst] = t[src]
+            if layer.group == group:
+                for t in layer.tensors():
+                    t[dst] = t[src]
 
     # --- per layer: write, read, flush ---------------------------------------------------------------------
     def write(self, layer_idx: int, seq_id: int, table: torch.Tensor, positions: torch.Tensor,
@@ -279,7 +284,7 @@ class StepSequence:
     seq_id: int
     num_new: int
     seq_len: int
-    block_table: torch.Tensor  # (blocks,) long
+    block_tables: tuple[torch.Tensor, ...]  # per cache group: (blocks,) long, EVICTED (-1) where given back
 
 
 class StepBatch:
@@ -297,26 +302,32 @@ class StepBatch:
         # Sequences adding one token (decoding) attend together in native layers, through the C (CPU) kernel.
         self.decoding = [i for i, s in enumerate(seqs) if s.num_new == 1] if any(pool.kernel_decodes) else []
         if self.decoding:
-            bs = pool.block_size
             offsets = torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0)[:-1]
             self.decode_rows = offsets[self.decoding]
             self.decode_lengths = torch.tensor([seqs[i].seq_len for i in self.decoding])
-            width = max(len(seqs[i].block_table) for i in self.decoding)
-            self.decode_tables = torch.zeros((len(self.decoding), width), dtype=torch.long)
-            for row, i in enumerate(self.decoding):
-                self.decode_tables[row, :len(seqs[i].block_table)] = seqs[i].block_table
-            last = (self.decode_lengths - 1) // bs
-            self.decode_blocks = self.decode_tables[torch.arange(len(self.decoding)), last]
-            self.decode_slots = (self.decode_lengths - 1) % bs
+            self.decode_slots = (self.decode_lengths - 1) % pool.block_size
+        self._decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _decode_table(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoding sequences' block tables in a cache group, padded into one tensor, and the block each
+        one's new token goes to (built once per step and group)."""
+        if group not in self._decode_tables:
+            tables = [self.seqs[i].block_tables[group] for i in self.decoding]
+            padded = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.long)
+            for row, table in enumerate(tables):
+                padded[row, :len(table)] = table
+            last = (self.decode_lengths - 1) // self.pool.block_size
+            self._decode_tables[group] = padded, padded[torch.arange(len(tables)), last]
+        return self._decode_tables[group]
 
     def _attend_decoding_together(self, layer, q, k, v, scaling: float, window: int | None,
                                   out: torch.Tensor) -> None:
         rows = self.decode_rows
-        layer.keys[self.decode_blocks, :, self.decode_slots] = k[0, :, rows].transpose(0, 1).to(layer.keys.dtype)
-        layer.values[self.decode_blocks, :, self.decode_slots] = v[0, :, rows].transpose(0, 1).to(layer.values.dtype)
+        tables, blocks = self._decode_table(layer.group)
+        layer.keys[blocks, :, self.decode_slots] = k[0, :, rows].transpose(0, 1).to(layer.keys.dtype)
+        layer.values[blocks, :, self.decode_slots] = v[0, :, rows].transpose(0, 1).to(layer.values.dtype)
         out[0, :, rows] = paged_decode_attention(q[0, :, rows].transpose(0, 1), layer.keys, layer.values,
-                                                 self.decode_tables, self.decode_lengths, scaling,
-                                                 window).transpose(0, 1)
+                                                 tables, self.decode_lengths, scaling, window).transpose(0, 1)
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D).
@@ -335,9 +346,10 @@ class StepBatch:
             start += s.num_new
             if i in skip:
                 continue
+            table = s.block_tables[layer.group]
             self.pool.observe(layer_idx, q[:, :, part], k[:, :, part])
-            self.pool.write(layer_idx, s.seq_id, s.block_table, self.positions[part], k[0, :, part], v[0, :, part])
-            self.pool.flush(layer_idx, s.seq_id, s.block_table, s.seq_len)
-            read = self.pool.reader(layer_idx, s.seq_id, s.block_table, q.dtype)
+            self.pool.write(layer_idx, s.seq_id, table, self.positions[part], k[0, :, part], v[0, :, part])
+            self.pool.flush(layer_idx, s.seq_id, table, s.seq_len)
+            read = self.pool.reader(layer_idx, s.seq_id, table, q.dtype)
             out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window, sink)
         return out

@@ -20,7 +20,8 @@ from enum import Enum
 
 import torch
 
-from paperback.engine.block_manager import BlockManager, NoFreeBlocks
+from paperback.engine.block_manager import NoFreeBlocks
+from paperback.engine.cache_groups import GroupedBlocks
 from paperback.errors import PaperbackError
 from paperback.generation.sampling import SamplingParams
 
@@ -70,23 +71,22 @@ class SchedulerConfig:
 @dataclass
 class ScheduledStep:
     work: list[tuple[Sequence, int]]  # (sequence, new tokens this step)
-    copies: list[tuple[int, int]]  # copy-on-write block copies to perform first
+    copies: list[tuple[int, int, int]]  # copy-on-write block copies to perform first: (group, source, destination)
     preempted: list[Sequence]
 
 
 class Scheduler:
     """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases.
 
-    blocks_held(tokens): the most blocks a sequence of that many tokens owns at once; with eviction
-    (a cache that keeps sinks and a window) that is bounded, and then prompts get blocks step by step,
-    a chunk at a time, instead of all at admission.
+    A cache group whose layers evict (sinks and a window, or a sliding window) holds a bounded number of
+    blocks per sequence; its blocks for a prompt come a chunk at a time, step by step, while a group that
+    keeps every token gets the whole prompt's at admission.
     """
 
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig = SchedulerConfig(),
-                 on_admit=None, on_free=None, blocks_held=None):
+    def __init__(self, blocks: GroupedBlocks, config: SchedulerConfig = SchedulerConfig(),
+                 on_admit=None, on_free=None):
         self.blocks = blocks
         self.config = config
-        self.blocks_held = blocks_held
         self.on_admit = on_admit or (lambda seq, cached: None)
         self.on_free = on_free or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
@@ -97,9 +97,7 @@ class Scheduler:
         if seq.params.n > self.config.max_num_seqs:
             raise PaperbackError(f"n = {seq.params.n} completions exceed the engine's {self.config.max_num_seqs} "
                                  f"running sequences")
-        total = seq.num_tokens + seq.params.max_tokens
-        held = self.blocks_held(total) if self.blocks_held else self.blocks.blocks_needed(total)
-        if held > self.blocks.num_blocks:
+        if not self.blocks.fits(seq.num_tokens + seq.params.max_tokens):
             raise PaperbackError(f"request {seq.request_id} needs more KV blocks than the whole pool holds "
                                  f"({seq.num_tokens} + {seq.params.max_tokens} tokens)")
         self.waiting.append(seq)
@@ -137,11 +135,9 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             new = min(seq.num_tokens - seq.num_computed, budget)
-            need = seq.num_computed + new - self.blocks.seqs[seq.seq_id].num_tokens  # slots not yet allocated
             while True:
                 try:
-                    if need > 0:
-                        copies += [(seq, src, dst) for src, dst in self.blocks.append_slots(seq.seq_id, need)]
+                    copies += [(seq, *copy) for copy in self.blocks.ensure_slots(seq.seq_id, seq.num_computed + new)]
                     break
                 except NoFreeBlocks:
                     victim = max(self.running, key=lambda s: (s.admitted_step, s.arrival))
@@ -160,12 +156,11 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
-            max_new = budget if self.blocks_held else None  # bounded holdings: blocks a chunk at a time
             if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
-                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running), max_new=max_new):
+                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running), max_new=budget):
                 break
             self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens, max_new)
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens, budget)
             self.on_admit(seq, seq.num_computed)
             seq.status, seq.admitted_step = Status.RUNNING, self.steps
             self.running.append(seq)
@@ -173,7 +168,7 @@ class Scheduler:
             work.append((seq, new))
             budget -= new
         # A preempted sequence's copies would write into blocks it no longer owns.
-        return ScheduledStep(work, [(src, dst) for s, src, dst in copies if s not in preempted], preempted)
+        return ScheduledStep(work, [tuple(copy) for s, *copy in copies if s not in preempted], preempted)
 
     def _width(self, seq: Sequence) -> int:
         """Sequences this one will be once forked: n before its first token, 1 after."""

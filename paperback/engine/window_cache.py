@@ -36,7 +36,9 @@ class PagedWindowCache:
         self.pool = PagedKVPool(config, policy, self.blocks.num_blocks, block_size, model.dtype, stage,
                                 model.device, kv_amax)
         self.pool.start(SEQ_ID, 0)
-        self.table = torch.tensor(self.blocks.table(SEQ_ID), device=model.device)
+        # Every cache group's pool has the window's blocks: one table serves them all (nothing is evicted).
+        table = torch.tensor(self.blocks.table(SEQ_ID), device=model.device)
+        self.tables = (table,) * len(self.pool.groups)
         self.chunk = chunk
         self.length = 0
         self.step: StepBatch | None = None
@@ -47,7 +49,7 @@ class PagedWindowCache:
             if new > self.chunk:
                 raise PaperbackError(f"a step of {new} tokens is longer than the {self.chunk} this cache stages")
             self.length += new
-            self.step = StepBatch(self.pool, [StepSequence(SEQ_ID, new, self.length, self.table)])
+            self.step = StepBatch(self.pool, [StepSequence(SEQ_ID, new, self.length, self.tables)])
         return self.step.attention(layer_idx, q, k, v, scaling, window)
 
     def nbytes(self) -> int:

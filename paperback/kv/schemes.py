@@ -146,8 +146,8 @@ class KVScheme:
                    pool: tuple[int, int] | None = None) -> float:
         """stored_bits as the paged engine holds them: the blocks a sequence still owns, in the format, plus,
         for quantized formats, the exact staging of its sink blocks and of the blocks not yet encoded, at
-        `recent_bits`. `pool` is the (window, sink) by which the whole pool frees blocks (`pool_retention`);
-        by default this scheme's own, as when every layer shares it."""
+        `recent_bits`. `pool` is the (window, sink) by which the pool frees this layer's blocks
+        (`layer_retention`, which a model's sliding window sets); by default this scheme's own."""
         window, sink = (self.window, self.sink) if pool is None else pool
         block = math.lcm(block_size, self.flush_group)
         blocks = -(-tokens // block)
@@ -174,14 +174,12 @@ _SETTINGS = {
 }
 
 
-def pool_retention(schemes) -> tuple[int, int]:
-    """(window, sink) by which a paged pool shared by these layers frees blocks: a block is freed once no
-    layer can read it again, so only when every layer evicts, past the widest window and the most sinks.
-    (0, 0) when some layer keeps every token."""
-    schemes = list(schemes)
-    if not schemes or not all(s.window for s in schemes):
-        return 0, 0
-    return max(s.window for s in schemes), max(s.sink for s in schemes)
+def layer_retention(scheme: KVScheme, model_window: int | None = None) -> tuple[int, int]:
+    """(window, sink) by which a paged pool frees one layer's blocks: its scheme's retention (StreamingLLM's
+    sinks and window), else the model's own sliding window, else (0, 0): the layer reads every token again."""
+    if scheme.window:
+        return scheme.window, scheme.sink
+    return (model_window, 0) if model_window else (0, 0)
 
 
 def paged_block_size(schemes, base: int = 16) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paperback.kv.policy import KVPolicy
-from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme, pool_retention
+from paperback.kv.schemes import KVScheme, layer_retention, paged_block_size, parse_kv_scheme
 from paperback.plan.shape import ModelShape
 from paperback.quantization.scheme import QuantScheme
 
@@ -120,18 +120,14 @@ def kv_bytes(shape: ModelShape, context: int, kv: str | KVScheme | KVPolicy = "f
 
     Whole blocks (`block_size`, or the format's token group if larger);
     quantized formats also hold their not-yet-encoded recent tokens exact at
-    16 bits (`KVScheme.paged_bits`). Sliding layers count at most their
-    window, which is what an engine that frees blocks sliding out of the
-    window holds; paperback's engine does not free them yet, so past the
-    window it holds more (benchmarks/bench_plan.py shows how much).
-    Retention (`sink=`, `window=`): exact sinks count at 16 bits; blocks are
-    freed as the engine frees them, only when every layer evicts
-    (`pool_retention`).
+    16 bits (`KVScheme.paged_bits`). Each layer's blocks are freed as the
+    engine frees them (`layer_retention`): a sliding layer's once they slide
+    out of its window, a layer that evicts (`sink=`, `window=`) all but its
+    sinks and window; exact sinks count at 16 bits.
     """
     schemes = layer_kv_schemes(shape, kv)
     block = paged_block_size(schemes, block_size)  # one block size for the whole pool, as the engine picks it
     channels = 2 * shape.num_kv_heads * shape.head_dim
-    pool = pool_retention(schemes)
-    bits = sum(s.paged_bits(min(context, w) if w else context, shape.head_dim, block, pool=pool)
+    bits = sum(s.paged_bits(context, shape.head_dim, block, pool=layer_retention(s, w))
                for s, w in zip(schemes, shape.layer_windows))
     return users * channels * bits / 8

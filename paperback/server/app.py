@@ -182,10 +182,10 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
                           "not_found_error")
         try:
             params = sampling(body, max_tokens, stop_token_ids)
-            limit = engine.engine.model.config.max_position_embeddings
+            limit = engine.engine.max_model_len
             if len(prompt_ids) + params.max_tokens > limit:
                 raise PaperbackError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                     f"exceeds the model's context of {limit} tokens")
+                                     f"exceeds the context of {limit} tokens this server takes")
         except PaperbackError as exc:
             engine.metrics.rejected.labels("invalid").inc()
             return _error(400, str(exc))

@@ -110,7 +110,8 @@ def test_the_shipped_profiles_are_the_bundled_models_and_allocate_quietly(smollm
 
 
 def test_retention_options_come_from_the_profile_and_are_counted_like_the_planner(profile, tiny_lm):
-    """Exact sinks are a per-layer option; eviction (asked for) is one window for every layer."""
+    """Exact sinks are a per-layer option, and so is eviction (when asked for), counted per layer as the
+    engine's cache groups hold it."""
     retention = profile["retention"]
     assert retention["complete"] and retention["sink"] == 32
     assert set(retention["sinks"]["0"]) == {"int8", "kivi2"}  # every quantized format, with its sinks exact
@@ -121,7 +122,7 @@ def test_retention_options_come_from_the_profile_and_are_counted_like_the_planne
     kept = tight.allocate()
     evicting = tight.allocate(evict=True)
     schemes = [parse_kv_scheme(evicting.kv[i]) for i in range(2)]
-    assert all(s.window for s in schemes) and len({s.window for s in schemes}) == 1
+    assert any(s.window for s in schemes)
     assert evicting.predicted_kl <= kept.predicted_kl and evicting.total_bytes <= low
     policy = build_policy(tiny_lm.config, spec=evicting.kv_policy_spec())
     planned = kv_bytes(shape_from_config(tiny_lm.config, "tiny", ""), 400, policy, users=3, block_size=32)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import tiny_llama_hf
+from paperback.engine.block_manager import EVICTED
 from paperback.engine.llm import LLMEngine
 from paperback.engine.scheduler import SchedulerConfig
 from paperback.errors import PaperbackError
@@ -132,12 +133,13 @@ def test_smollm2_batch_matches_reference_with_text(smollm2):
         assert out.outputs[0].text == smollm2.tokenizer.decode(out.outputs[0].token_ids)
 
 
-def dense_greedy(model, spec: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens through the dense quantized cache: the prompt 16 tokens at a time, then one by one."""
-    from paperback.kv import QuantizedKVCache, build_policy
+def dense_greedy(model, spec, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens through the dense quantized cache (a format or a KVPolicy): the prompt 16 tokens at a
+    time, then one by one."""
+    from paperback.kv import KVPolicy, QuantizedKVCache, build_policy
 
-    cache = QuantizedKVCache(model.config, build_policy(model.config, spec), 1, len(prompt) + max_tokens,
-                             torch.float32)
+    policy = spec if isinstance(spec, KVPolicy) else build_policy(model.config, spec)
+    cache = QuantizedKVCache(model.config, policy, 1, len(prompt) + max_tokens, torch.float32)
     with torch.no_grad():
         for lo in range(0, len(prompt), 16):
             logits = model(torch.tensor([prompt[lo:lo + 16]]), lo, cache)[0, -1]
@@ -254,8 +256,8 @@ def test_a_window_in_every_layer_bounds_the_blocks_a_sequence_holds(tiny32):
     freed = []
     original = engine.blocks.evict
 
-    def evict(seq_id, lo, hi):
-        freed.append(original(seq_id, lo, hi))
+    def evict(seq_id, seq_len):
+        freed.append(original(seq_id, seq_len))
         return freed[-1]
 
     engine.blocks.evict = evict
@@ -272,20 +274,81 @@ def test_a_window_in_every_layer_bounds_the_blocks_a_sequence_holds(tiny32):
         kept.add_request(prompts_[0], SamplingParams(max_tokens=20))
 
 
-@pytest.mark.parametrize("spec", ["fp16:window=64,sink=16", "kivi2:r=32,sink=32,window=96"])
-def test_the_planner_counts_the_blocks_an_evicting_sequence_holds(tiny32, spec):
+@pytest.mark.parametrize("layers", [
+    {"0-1": "fp16:window=64,sink=16"}, {"0-1": "kivi2:r=32,sink=32,window=96"},
+    {"1": "fp16:window=64,sink=16"}, {"1": "kivi2:r=32,sink=32,window=96"},  # per-layer eviction
+])
+def test_the_planner_counts_the_blocks_an_evicting_sequence_holds(tiny32, layers):
     from paperback.engine.llm import block_bytes
+    from paperback.kv import build_policy
     from paperback.plan.arithmetic import kv_bytes
     from paperback.plan.shape import shape_from_config
 
-    engine = LLMEngine(tiny32, kv=spec, num_blocks=40, scheduler=SchedulerConfig(1, 64))
+    policy = build_policy(tiny32.config, spec={"default": "fp16", "layers": layers})
+    engine = LLMEngine(tiny32, kv=policy, num_blocks=40, scheduler=SchedulerConfig(1, 64))
     engine.add_request([(3 * i) % 256 for i in range(300)], SamplingParams(max_tokens=5))
     while engine.scheduler.running == [] or engine.scheduler.running[0].num_computed < 300:
         engine.step()
     bs = engine.blocks.block_size
-    held = engine.blocks.num_used * block_bytes(tiny32.config, engine.policy, bs)
+    held = sum(m.num_used * block_bytes(tiny32.config, policy, bs, g.layers)
+               for g, m in zip(engine.blocks.groups, engine.blocks.managers))
     shape = shape_from_config(tiny32.config, "tiny", "")
-    staged = kv_bytes(shape, 300, engine.policy, block_size=bs) - held  # the planner's exact staging, if any
-    sinks_and_recent = -(-32 // bs) + -(-(300 - (300 - 32) // bs * bs) // bs) if "kivi" in spec else 0
+    staged = kv_bytes(shape, 300, policy, block_size=bs) - held  # the planner's exact staging, if any
+    quantized = sum(not policy.scheme_for(i).is_native for i in range(tiny32.config.num_layers))
+    sinks_and_recent = -(-32 // bs) + -(-(300 - (300 - 32) // bs * bs) // bs) if quantized else 0
     assert staged == pytest.approx(sinks_and_recent * bs * 2 * tiny32.config.num_kv_heads * tiny32.config.head_dim
-                                   * tiny32.config.num_layers * 2)
+                                   * quantized * 2)
+
+
+@pytest.mark.parametrize("evicting", ["fp16:window=64,sink=16", "kivi2:r=32,sink=32,window=96"])
+def test_one_layer_evicts_while_the_other_keeps_every_token(tiny32, evicting):
+    """Per-layer eviction: layer 1's group gives back its blocks as its window passes, layer 0's keeps all,
+    and the greedy tokens are the dense cache's with the same per-layer policy."""
+    from paperback.kv import build_policy
+
+    policy = build_policy(tiny32.config, spec={"default": "fp16", "layers": {"1": evicting}})
+    engine = LLMEngine(tiny32, kv=policy, num_blocks=40, scheduler=SchedulerConfig(2, 32))
+    full, windowed = engine.blocks.managers
+    assert [g.layers for g in engine.blocks.groups] == [(0,), (1,)]
+    prompt = [(7 * i) % 256 for i in range(300)]
+    engine.add_request(prompt, SamplingParams(max_tokens=60))
+    peak, evicted = 0, 0
+    while engine.scheduler.has_work:
+        engine.step()
+        peak = max(peak, windowed.num_used)
+        if engine.scheduler.running:
+            seq_id = engine.scheduler.running[0].seq_id
+            assert EVICTED not in full.table(seq_id)  # every token kept
+            evicted = max(evicted, windowed.table(seq_id).count(EVICTED))
+    assert evicted >= (359 - 96) // engine.blocks.block_size - 1
+    group = engine.blocks.groups[1]
+    assert peak <= group.blocks_held(360, engine.blocks.block_size, 32) < -(-360 // engine.blocks.block_size)
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    again = LLMEngine(tiny32, kv=policy, num_blocks=40, scheduler=SchedulerConfig(2, 32))
+    again.add_request(prompt, SamplingParams(max_tokens=60))
+    [result] = again.run()
+    assert result.outputs[0].token_ids == dense_greedy(tiny32.model, policy, prompt, 60)
+
+
+def test_sliding_window_layers_free_the_blocks_they_slid_past(tmp_path):
+    """Gemma 3's local layers (window 8 here) hold a few blocks however long the sequence; the global
+    layer holds them all; outputs are the plain model's."""
+    from helpers import tiny_hf
+
+    tiny_hf("gemma3").save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    engine = LLMEngine(lm, kv="fp32", num_blocks=24, block_size=4, scheduler=SchedulerConfig(2, 8))
+    full, sliding = engine.blocks.managers
+    assert [(g.layers, g.window) for g in engine.blocks.groups] == [((1,), 0), ((0, 2), 8)]
+    prompt = [(11 * i) % 256 for i in range(60)]
+    engine.add_request(prompt, SamplingParams(max_tokens=30))
+    peak = 0
+    while engine.scheduler.has_work:
+        done = engine.step()
+        peak = max(peak, sliding.num_used)
+    assert peak <= engine.blocks.groups[1].blocks_held(90, 4, 8) == 5
+    assert done[0].outputs[0].token_ids == reference(lm.model, prompt, 30)
+    # 90 tokens need 23 blocks: the full group's 24 hold them, the sliding group never more than 5.
+    with pytest.raises(PaperbackError, match="more KV blocks"):
+        engine.add_request(list(range(100)), SamplingParams(max_tokens=10))

@@ -28,7 +28,9 @@ def test_packed_prefill_and_decode_match_each_sequence_alone(tmp_path, kind):
         pool.start(i, 0)
 
     def step(new: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        seqs = [StepSequence(i, len(t), bm.seqs[i].num_tokens, torch.tensor(bm.table(i))) for i, t in new.items()]
+        # One block manager's tables serve every cache group here (each group's pool has 32 blocks).
+        seqs = [StepSequence(i, len(t), bm.seqs[i].num_tokens, (torch.tensor(bm.table(i)),) * len(pool.groups))
+                for i, t in new.items()]
         batch = StepBatch(pool, seqs)
         ids = torch.tensor([sum(new.values(), [])])
         with torch.no_grad():
