@@ -1,13 +1,14 @@
 """The KV cache at equal bytes: uniform formats against paperback's per-layer allocation with retention.
 
     .venv/bin/python benchmarks/bench_kv_allocation.py [--model smollm2] [--budgets kivi2 int4]
-        [--context 4096] [--windows 2] [--needle-context 8192] [--evict] [--markdown]
+        [--context 4096] [--windows 2] [--needle-context 8192] [--evict [--retrieval-kl 0.001]]
+        [--redo POLICY ...] [--markdown]
 
 Each budget is the bytes one sequence of --context tokens holds in the paged
 engine with every layer in that format (`paperback.plan.arithmetic.kv_bytes`:
 whole blocks, exact recent window and sinks counted). At that budget
 paperback's allocation picks each layer's format, with or without exact
-attention sinks (and, with --evict, one StreamingLLM window for every layer),
+attention sinks (and, with --evict, StreamingLLM eviction in chosen layers),
 by the exact solve over the model's profile (measured on the Python
 documentation, never on the evaluation text). Every policy is then scored the
 way it is served, chunk by chunk through the quantized cache: WikiText-2
@@ -42,9 +43,9 @@ from results_io import warn_if_busy, write_results  # noqa: E402
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
 
-def allocated_policy(allocator: Allocator, budget: float, evict: bool) -> dict:
+def allocated_policy(allocator: Allocator, budget: float, evict: bool, retrieval_kl: float | None = None) -> dict:
     """The per-layer KV choice (weights left exact) of least predicted KL within `budget` bytes."""
-    chosen = allocator.solve_exactly(allocator.kv_groups(evict=evict), budget)
+    chosen = allocator.solve_exactly(allocator.kv_groups(evict=evict, retrieval_kl=retrieval_kl), budget)
     layers = {i: chosen[f"kv.{i}"].label for i in range(allocator.config.num_layers)}
     return {"spec": kv_policy_spec(layers), "predicted_kl": sum(o.cost for o in chosen.values())}
 
@@ -59,14 +60,19 @@ def main() -> None:
     parser.add_argument("--needle-context", type=int, default=8192)
     parser.add_argument("--evict", action="store_true",
                         help="also allow StreamingLLM eviction (one more row, at the first budget)")
+    parser.add_argument("--retrieval-kl", type=float, default=None,
+                        help="with --evict, one more row: each layer's option may cost a long-range lookup at "
+                             "most this answer KL (the profile's retrieval part)")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--redo", nargs="+", default=[], metavar="POLICY",
+                        help="policies to measure again (e.g. 'paperback @ kivi2'), the others kept")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     warn_if_busy()
     out_name = f"kv_allocation_{args.model}.json"
     path = Path(__file__).parent / "results" / out_name
     previous = {} if args.fresh or not path.exists() else json.loads(path.read_text())
-    cells = {c["name"]: c for c in previous.get("cells", [])}
+    cells = {c["name"]: c for c in previous.get("cells", []) if c["name"] not in args.redo}
 
     lm = load_model(args.model, "fp32")
     model, config = lm.model, lm.config
@@ -87,6 +93,10 @@ def main() -> None:
         if args.evict and label == args.budgets[0]:
             chosen = allocated_policy(allocator, budget, evict=True)
             policies[f"paperback+evict @ {label}"] = (label, chosen["spec"], budget)
+            if args.retrieval_kl is not None:
+                chosen = allocated_policy(allocator, budget, evict=True, retrieval_kl=args.retrieval_kl)
+                policies[f"paperback+evict, lookup KL <= {args.retrieval_kl:g} @ {label}"] = (label, chosen["spec"],
+                                                                                              budget)
 
     for name, (budget_label, spec, budget) in policies.items():
         if name in cells:

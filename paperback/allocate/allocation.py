@@ -136,11 +136,25 @@ class Allocator:
         r = self.retention
         return {name: tuple(v) for name, v in r.get("variants", {}).items()} if r.get("complete") else {}
 
-    def kv_groups(self, allowed: set[str] | None = None, evict: bool = False) -> list[Group]:
+    def retrieval_cost(self, layer: int, spec: str, measured_window: int | None) -> float:
+        """The profile's answer KL of a long-range lookup with this layer alone in an option: its format's,
+        or when it evicts, that window's (a planted fact far back is then gone whatever the format; exact
+        sinks and recent tokens do not reach it)."""
+        r = self.profile.get("retrieval") or {}
+        if not r.get("complete"):
+            raise PaperbackError("this profile has no retrieval measurements; run `paperback profile` again "
+                                 "to add them")
+        if measured_window:
+            return r["evict"][str(layer)][str(measured_window)]
+        return r["formats"][str(layer)][self.labels[spec]]
+
+    def kv_groups(self, allowed: set[str] | None = None, evict: bool = False,
+                  retrieval_kl: float | None = None) -> list[Group]:
         """Per layer, every format, and every quantized one also with each measured exact-token variant
         (sinks, a short recent window); with `evict`, also each of those evicting to its sinks and each
         measured window (`eviction_windows`), the layer's measured eviction cost added. `allowed` names
-        exact options ('kivi2' is kivi2 alone)."""
+        exact options ('kivi2' is kivi2 alone). With `retrieval_kl`, a layer takes only options that alone
+        cost a long-range lookup at most that much (`retrieval_cost`)."""
         w = self.workload
         variants = self.exact_variants()
         sink = self.retention.get("sink", 0)
@@ -161,22 +175,26 @@ class Allocator:
         return [Group(f"kv.{i}", tuple(
             Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context, self.block_size),
                    self.kv_cost(i, spec, variant) + (evict_costs[str(i)][str(measured)] if measured else 0.0))
-            for kept, stored, spec, variant, measured in choices)) for i in range(self.config.num_layers)]
+            for kept, stored, spec, variant, measured in choices
+            if retrieval_kl is None or self.retrieval_cost(i, spec, measured) <= retrieval_kl))
+            for i in range(self.config.num_layers)]
 
     def capacity(self) -> float:
         return self.workload.memory - self.runtime - self.fixed_bytes
 
     def allocate(self, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
-                 evict: bool = False) -> Allocation:
+                 evict: bool = False, retrieval_kl: float | None = None) -> Allocation:
         """The least predicted KL within the budget, over the allowed options (all by default); with
-        `evict`, any layer may also evict at each measured window."""
-        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict)
+        `evict`, any layer may also evict at each measured window; with `retrieval_kl`, only options that
+        keep a long-range lookup within it (`kv_groups`)."""
+        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
         return self._allocation(self.solve_exactly(groups, self.capacity()))
 
     def solve_exactly(self, groups: list[Group], capacity: float) -> dict[str, Option]:
         """The exact solve within `capacity` bytes, or a message naming the nearest feasible point."""
-        if any(not g.options for g in groups):
-            raise PaperbackError("no candidate left to choose from after restricting the options")
+        empty = [g.name for g in groups if not g.options]
+        if empty:
+            raise PaperbackError(f"no candidate left for {', '.join(empty[:4])} after restricting the options")
         try:
             return solve(groups, capacity)
         except InfeasibleBudget:

@@ -36,6 +36,9 @@ class FitConfig:
     needle_context: int | None = None  # None: the workload's context, capped by the model's positions
     breakdown_kl: float = 0.5  # predicted KL (nats/token) past which quality counts as broken down
     evict: bool = False  # may layers evict (StreamingLLM: sinks plus a window, chosen per layer)
+    # Most answer KL of a long-range lookup any one layer's KV option may cost (the profile's retrieval part);
+    # None: not constrained.
+    retrieval_kl: float | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}
@@ -96,7 +99,7 @@ class Fit:
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
         allocator = Allocator(self.profile, self.lm.model, self.config.workload)
-        allocation = allocator.allocate(evict=self.config.evict)
+        allocation = allocator.allocate(evict=self.config.evict, retrieval_kl=self.config.retrieval_kl)
         t0 = time.perf_counter()
         summary = self._quantize(allocation, allocator)
         self.seconds["quantize"] = time.perf_counter() - t0

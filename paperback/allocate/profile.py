@@ -13,6 +13,10 @@ rest is held out for evaluation):
   32-token one), and (models without sliding-window layers)
   when one layer evicts everything but those sinks and a window of a
   fraction of the long window (StreamingLLM), measured on the long window;
+- retrieval: the KL of a planted fact's answer, asked for at the end of a
+  long-window prompt, when one layer alone stores its cache in each format
+  or evicts at each window (`paperback.allocate.retrieval`): what running
+  text misses about the far past;
 - additivity: for random mixed assignments, the summed prediction against
   the KL measured with everything applied at once, and their correlation.
 
@@ -41,6 +45,7 @@ from tqdm.auto import tqdm
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
 from paperback.allocate.quantized_units import EffectiveWeight, quantize_block
+from paperback.allocate.retrieval import RetrievalProbe, retrieval_prompts
 from paperback.allocate.stats import pearson, ranks
 from paperback.allocate.token_importance import token_importance
 from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
@@ -183,6 +188,7 @@ class Profiler:
     def __init__(self, model, tokenizer, text: str, text_source: str, config: ProfileConfig,
                  cache_dir: Path | None = None, progress: bool = True, model_label: str = ""):
         self.model, self.config, self.progress = model, config, progress
+        self.tokenizer = tokenizer
         self.schemes = parse_weight_candidates(config.weight_schemes)
         self.formats = parse_kv_candidates(config.kv_formats, model.config)
         self.weight_anchor, self.kv_anchor = self._anchors() if config.measure == "anchored" else (None, None)
@@ -205,7 +211,7 @@ class Profiler:
                         "schemes": [s.label for s in self.schemes], "kl": {}},
             "kv": {"formats": [f.label for f in self.formats], "specs": list(config.kv_formats), "kl": {},
                    "long": None},
-            "tokens": None, "additivity": None, "retention": None, "seconds": {},
+            "tokens": None, "additivity": None, "retention": None, "retrieval": None, "seconds": {},
         }
         if self.weight_anchor is not None:
             self.data["estimates"] = {"mode": "anchored", "weight_anchor": self.weight_anchor,
@@ -251,6 +257,7 @@ class Profiler:
             self.data["kv"]["long"] = saved.get("kv", {}).get("long")
             self.data["additivity"] = saved.get("additivity")
             self.data["retention"] = saved.get("retention")
+            self.data["retrieval"] = saved.get("retrieval")
             self.data["tokens"] = saved.get("tokens")
             self.data["seconds"] = saved.get("seconds", {})
             if "estimates" in self.data and saved.get("estimates"):
@@ -271,11 +278,13 @@ class Profiler:
 
     def run(self) -> dict:
         finished = self._finished()
-        if finished is not None and self._retention_todo(finished.get("retention")) > 0:
-            # A profile from before (some of) retention was measured: add that part, keep the rest.
+        if finished is not None and (self._retention_todo(finished.get("retention")) > 0
+                                     or self._retrieval_todo(finished.get("retrieval"))):
+            # A profile from before (some of) retention or retrieval was measured: add that part, keep the rest.
             reused = finished.pop("reused_from_cache")
             self.data = finished
             self._retention()
+            self._retrieval()
             _atomic_write(self.complete_path, self.data)
             self.partial_path.unlink(missing_ok=True)
             self.data["reused_from_cache"] = reused
@@ -299,6 +308,7 @@ class Profiler:
             self._timed("tokens", t0)
             self._save_partial()
         self._retention(probe)
+        self._retrieval()
         self._check_estimates(weight_probe, probe)
         self._additivity(weight_probe, probe)
         self.data["complete"] = True
@@ -532,6 +542,46 @@ class Profiler:
         """{window as a string: fp16 with the exact sinks and that window}."""
         return {str(w): parse_kv_candidates([with_retention("fp16", RETENTION_SINK, w)], self.model.config)[0]
                 for w in self._evict_windows()}
+
+    # --- retrieval --------------------------------------------------------------------------------------------
+    def _retrieval_todo(self, retrieval: dict | None) -> bool:
+        return self.text.long_window is not None and not (retrieval or {}).get("complete")
+
+    def _retrieval(self) -> None:
+        """Per layer, the answer's KL with the layer's cache in each format, and evicting at each window (fp16
+        with the exact sinks), on prompts built from the long window (`paperback.allocate.retrieval`)."""
+        if not self._retrieval_todo(self.data.get("retrieval")):
+            return
+        t0 = time.perf_counter()
+        config = self.model.config
+        long_window = self.text.long_window
+        bos = long_window[0, 0].item() if getattr(self.tokenizer, "adds_bos", False) else None
+        haystack = long_window[0, 1:].tolist() if bos is not None else long_window[0].tolist()
+        prompts = retrieval_prompts(self.tokenizer, haystack, long_window.shape[1], bos)
+        r = self.data.get("retrieval") or {}
+        r = self.data["retrieval"] = {"tokens": int(long_window.shape[1]), "depths": list(prompts.depths),
+                                      "answer_tokens": prompts.answer_tokens, "formats": r.get("formats", {}),
+                                      "evict": r.get("evict", {}), "complete": False}
+        evictions = self._evictions()
+        probe = None
+        for i in tqdm(range(config.num_layers), desc="profile retrieval", unit="layer",
+                      disable=None if self.progress else True, leave=False):
+            formats = r["formats"].setdefault(str(i), {})
+            evict = r["evict"].setdefault(str(i), {})
+            todo = [f for f in self.formats if f.label not in formats] + [w for w in evictions if w not in evict]
+            if not todo:
+                continue
+            probe = probe or RetrievalProbe(self.model, prompts, self.config.kv_chunk)
+            for f in self.formats:
+                if f.label not in formats:
+                    formats[f.label] = probe.kl_with_kv(i, f)
+            for w, scheme in evictions.items():
+                if w not in evict:
+                    evict[w] = probe.kl_with_kv(i, scheme)
+            self._save_partial()
+        r["complete"] = True
+        self._timed("retrieval", t0)
+        self._save_partial()
 
     # --- the estimates' check -------------------------------------------------------------------------------
     def _check_estimates(self, weight_probe: ReferenceProbe, probe: ReferenceProbe) -> None:

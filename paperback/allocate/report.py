@@ -178,6 +178,11 @@ def render_report(result: dict, profile: dict) -> str:
                  "the first N tokens at 16 bits as well; 'sinks N + last W' evicts everything else (StreamingLLM, "
                  "chosen only with --evict). The attention mass columns (queries in the second half of a "
                  "profiling window: first 4 tokens, last 128, the rest) show where each layer reads.</p>")
+    bound = result.get("config", {}).get("retrieval_kl")
+    if bound is not None:
+        parts.append(f"<p>Long-range lookups: every layer's KV option costs a fact planted far back in the profiling "
+                     f"text at most {bound:g} nats per answer token (the profile's retrieval part), so the layers "
+                     "that do the lookup neither evict nor round it away.</p>")
     add = profile.get("additivity")
     parts.append("<h2>Predicted against measured quality</h2>")
     if add:

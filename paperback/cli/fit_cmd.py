@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
+from paperback.allocate.retrieval import RETRIEVAL_KL
 from paperback.cli.profile_cmd import add_measure_args
 from paperback.quantization.model_pass import METHODS
 
@@ -50,6 +51,10 @@ def register(sub) -> None:
     p.add_argument("--evict", action="store_true",
                    help="let the allocation evict old tokens in chosen layers (StreamingLLM: attention sinks plus "
                         "a window); they cannot retrieve what they evicted, so it is off by default")
+    p.add_argument("--retrieval-kl", default="auto",
+                   help="most a long-range lookup's answer KL (nats/token) any one layer's KV option may cost, "
+                        f"from the profile's retrieval part; 'auto': {RETRIEVAL_KL} with --evict, else off; "
+                        "'off': unconstrained")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
@@ -58,6 +63,22 @@ def register(sub) -> None:
     add_json_arg(p)
     p.set_defaults(func=run)
 
+
+
+def _retrieval_kl(text: str, evict: bool) -> float | None:
+    from paperback.errors import PaperbackError
+
+    if text == "auto":
+        return RETRIEVAL_KL if evict else None
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise PaperbackError(f"bad --retrieval-kl '{text}' (a KL >= 0, 'auto' or 'off')")
+    return value
 
 
 def _depths(text: str) -> tuple[float, ...]:
@@ -90,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     parse_weight_candidates(profile.weight_schemes)
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
                        () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,
-                       evict=args.evict)
+                       evict=args.evict, retrieval_kl=_retrieval_kl(args.retrieval_kl, args.evict))
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)

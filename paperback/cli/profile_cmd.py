@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if summary["retention"]:
         print_table("retention: summed KL over layers, one layer at a time",
                     ["option", "sum over layers", "most sensitive layer", "KL"], summary["retention"])
+    if summary["retrieval"]:
+        print_table("retrieval: a planted fact's answer KL when one layer alone changes (the layers that do the "
+                    "lookup)", ["option", "layers over 0.001", "most sensitive layers (KL)"], summary["retrieval"])
     add = summary["additivity"]
     if add:
         note(f"additivity: {add['samples']} mixed assignments, predicted vs measured KL: Pearson "
@@ -137,9 +140,20 @@ def profile_summary(data: dict) -> dict:
         top = max(per_layer, key=per_layer.get)
         retention.append([f"fp16, sinks {r['sink']} + last {window} of {r['long_tokens']}",
                           f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
+    retrieval = []
+    found = data.get("retrieval") or {}
+    options = [(label, "formats", label) for label in data["kv"]["formats"]]
+    options += [(f"evicting all but the last {w} of {found.get('tokens')}", "evict", str(w))
+                for w in r.get("windows", [])]
+    for name, part, key in options:
+        per_layer = {layer: cells[key] for layer, cells in found.get(part, {}).items() if key in cells}
+        if per_layer:
+            top = sorted(per_layer, key=per_layer.get, reverse=True)[:3]
+            retrieval.append([name, str(sum(v > 1e-3 for v in per_layer.values())),
+                              ", ".join(f"{layer} ({per_layer[layer]:.4f})" for layer in top)])
     add = data.get("additivity")
     check = (data.get("estimates") or {}).get("check")
-    return {"weights": weights, "kv": kv, "retention": retention,
+    return {"weights": weights, "kv": kv, "retention": retention, "retrieval": retrieval,
             "additivity": {k: v for k, v in add.items() if k != "points"} if add else None,
             "estimates": {k: v for k, v in check.items() if k != "points"} if check else None,
             "seconds": data.get("seconds", {})}

@@ -63,24 +63,37 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, start_pos: int, kv_cache: KVCache | None):
+    def _qkv(self, x, cos, sin):
+        """Rotated queries (B, H, T, D), keys and values (B, Hkv, T, D) of x."""
         b, t, _ = x.shape
         q, k, v = run_linears(x, (self.q_proj, self.k_proj, self.v_proj))
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _store(self, q, k, v, start_pos: int, kv_cache: KVCache):
+        observe = getattr(kv_cache, "observe", None)
+        if observe is not None:
+            observe(self.layer_idx, q, k)
+        return kv_cache.update(self.layer_idx, k, v, start_pos)
+
+    def write_cache(self, x, cos, sin, start_pos: int, kv_cache: KVCache) -> None:
+        """Only store x's keys and values in the cache, as forward would, for positions whose output no one
+        reads (a profile filling one layer's past)."""
+        self._store(*self._qkv(x, cos, sin), start_pos, kv_cache)
+
+    def forward(self, x, cos, sin, start_pos: int, kv_cache: KVCache | None):
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
         paged = getattr(kv_cache, "attention", None)
         if paged is not None:
             out = paged(self.layer_idx, q, k, v, self.scaling, self.window)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if kv_cache is not None:
-            observe = getattr(kv_cache, "observe", None)
-            if observe is not None:
-                observe(self.layer_idx, q, k)
-            k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
+            k, v = self._store(q, k, v, start_pos, kv_cache)
         window, sink = self.window, 0
         retention = getattr(kv_cache, "retention", None)
         if retention is not None:
