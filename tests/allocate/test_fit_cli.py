@@ -104,16 +104,31 @@ def test_fit_report_is_self_contained(tiny_dir, tmp_path, cache, capsys):
     argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "400MiB", "--context", "256", "--needle-depths", "0.5",
             "--cache-dir", str(cache), "--eval-context", "128", "--eval-windows", "1", "--evict", *SMALL]
     assert main(argv) == 0
-    assert json.loads((out / "fit.json").read_text())["config"]["evict"]
+    fitted = json.loads((out / "fit.json").read_text())
+    assert fitted["config"]["evict"] and fitted["config"]["retrieval_kl"] == 0.001  # --evict bounds lookups
+    profile = json.loads((cache / (fitted["profile"]["key"] + ".json")).read_text())
+    for layer, label in fitted["allocation"]["kv"].items():  # every layer's option within the bound
+        scheme = parse_kv_scheme(label)
+        if scheme.window:
+            cost = min(profile["retrieval"]["evict"][layer].values())
+        else:
+            cost = profile["retrieval"]["formats"][layer][scheme.format_label]
+        assert cost <= 0.001
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 4
     for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
-                    "Breakdown point", "Pearson", "needles at", "retention"):
+                    "Breakdown point", "Pearson", "needles at", "retention", "Long-range lookups"):
         assert section in page
     # Nothing is fetched from elsewhere: no URL other than the embedded images.
     import re
 
     assert not re.search(r"(src|href)=\"(?!data:)", page) and "http://" not in page and "https://" not in page
+
+
+def test_fit_refuses_a_bad_retrieval_bound_before_work(tiny_dir, tmp_path, capsys):
+    code = main(["fit", str(tiny_dir), "-o", str(tmp_path / "x"), "--memory", "1GiB", "--context", "256",
+                 "--retrieval-kl", "lots"])
+    assert code == 2 and "--retrieval-kl" in capsys.readouterr().err
 
 
 def test_fit_with_a_profile_of_other_text_is_refused(tiny_dir, tmp_path, cache, capsys):
