@@ -22,7 +22,7 @@ from paperback.models import DecoderLM
 LOGIT_CHUNK = 256
 
 
-class _OneLayerCache:
+class OneLayerCache:
     """A cache for one layer only, in one KV format: the layer reads its own past from it, as served."""
 
     def __init__(self, layer_idx: int, scheme: KVScheme, shape: tuple[int, int, int, int], dtype: torch.dtype,
@@ -119,10 +119,10 @@ class ReferenceProbe:
         reference = self.block_inputs[start + 1] if start + 1 < len(layers) else self.final_output
         return (x - reference).pow(2).sum(-1).mean().item()
 
-    def _one_layer_cache(self, layer_idx: int, scheme: KVScheme) -> _OneLayerCache:
+    def _one_layer_cache(self, layer_idx: int, scheme: KVScheme) -> OneLayerCache:
         config = self.model.config
         shape = (self.windows.shape[0], config.num_kv_heads, self.windows.shape[1], config.head_dim)
-        return _OneLayerCache(layer_idx, scheme, shape, self.model.dtype, self.model.device)
+        return OneLayerCache(layer_idx, scheme, shape, self.model.dtype, self.model.device)
 
     def kl_with_kv(self, layer_idx: int, scheme: KVScheme) -> float:
         """KL when only layer `layer_idx` stores its cache in `scheme`."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paperback.allocate.probe import _OneLayerCache
+from paperback.allocate.probe import OneLayerCache
 from paperback.errors import PaperbackError
 from paperback.kv.cache import QuantizedKVCache
 from paperback.kv.policy import KVPolicy
@@ -138,7 +138,7 @@ class RetrievalProbe:
         """The answer's KL when only layer `layer_idx` stores its cache in `scheme` (which may evict)."""
         model, config = self.model, self.model.config
         ids = self.prompts.ids
-        cache = _OneLayerCache(layer_idx, scheme, (ids.shape[0], config.num_kv_heads, ids.shape[1], config.head_dim),
+        cache = OneLayerCache(layer_idx, scheme, (ids.shape[0], config.num_kv_heads, ids.shape[1], config.head_dim),
                                model.dtype, model.device)
         layer, (cos, sin) = model.model.layers[layer_idx], self.rope[layer_idx]
         x, start = self.block_inputs[layer_idx], self.tail_start

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from paperback.allocate.retrieval import RETRIEVAL_KL
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
 from paperback.quantization.model_pass import METHODS
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
                     ["option", "sum over layers", "most sensitive layer", "KL"], summary["retention"])
     if summary["retrieval"]:
         print_table("retrieval: a planted fact's answer KL when one layer alone changes (the layers that do the "
-                    "lookup)", ["option", "layers over 0.001", "most sensitive layers (KL)"], summary["retrieval"])
+                    "lookup)", ["option", f"layers over {RETRIEVAL_KL:g}", "most sensitive layers (KL)"],
+                    summary["retrieval"])
     add = summary["additivity"]
     if add:
         note(f"additivity: {add['samples']} mixed assignments, predicted vs measured KL: Pearson "
@@ -149,7 +151,7 @@ def profile_summary(data: dict) -> dict:
         per_layer = {layer: cells[key] for layer, cells in found.get(part, {}).items() if key in cells}
         if per_layer:
             top = sorted(per_layer, key=per_layer.get, reverse=True)[:3]
-            retrieval.append([name, str(sum(v > 1e-3 for v in per_layer.values())),
+            retrieval.append([name, str(sum(v > RETRIEVAL_KL for v in per_layer.values())),
                               ", ".join(f"{layer} ({per_layer[layer]:.4f})" for layer in top)])
     add = data.get("additivity")
     check = (data.get("estimates") or {}).get("check")

@@ -138,11 +138,11 @@ class GroupedBlocks:
     def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None) -> int:
         """Blocks in every group for a new sequence (a group that evicts gets its cached prefix and the next
         `max_new` tokens only); returns how many leading tokens every group has cached."""
-        if not self.can_allocate(tokens, max_new=max_new):
-            raise NoFreeBlocks(f"not enough free blocks for sequence {seq_id}")
         cached = self._common_cached(tokens)
-        return min(m.allocate(seq_id, tokens, self._max_new(g, max_new), cached)
-                   for g, m in zip(self.groups, self.managers))
+        budgets = [self._max_new(g, max_new) for g in self.groups]
+        if not all(m.can_allocate(tokens, 0, n, cached) for m, n in zip(self.managers, budgets)):
+            raise NoFreeBlocks(f"not enough free blocks for sequence {seq_id}")
+        return min(m.allocate(seq_id, tokens, n, cached) for m, n in zip(self.managers, budgets))
 
     def ensure_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int, int]]:
         """Slots for the sequence's first `num_tokens` tokens in every group. Returns the copy-on-write copies

@@ -100,7 +100,9 @@ class LLMEngine:
         schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
         block_size = paged_block_size(schemes, block_size)
         groups = cache_groups(config, schemes)
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
+        if self.max_model_len < 1:
+            raise PaperbackError(f"max_model_len must be at least 1 token, got {self.max_model_len}")
         if self.max_model_len > config.max_position_embeddings:
             raise PaperbackError(f"max_model_len {self.max_model_len} exceeds the model's context of "
                                  f"{config.max_position_embeddings} tokens")

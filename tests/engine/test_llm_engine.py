@@ -352,3 +352,9 @@ def test_sliding_window_layers_free_the_blocks_they_slid_past(tmp_path):
     # 90 tokens need 23 blocks: the full group's 24 hold them, the sliding group never more than 5.
     with pytest.raises(PaperbackError, match="more KV blocks"):
         engine.add_request(list(range(100)), SamplingParams(max_tokens=10))
+
+
+def test_a_max_model_len_out_of_range_is_refused(tiny32):
+    for bad in (0, 10 ** 6):
+        with pytest.raises(PaperbackError, match="max_model_len"):
+            LLMEngine(tiny32, num_blocks=8, max_model_len=bad)
