@@ -139,3 +139,61 @@ def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str =
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e|: the error relative to the logits' scale."""
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+class LiveServer:
+    """paperback's OpenAI server over `lm` on a free local port, in a thread: `with LiveServer(lm) as s: s.url`."""
+
+    def __init__(self, lm, name: str = "smollm2", num_blocks: int = 256, max_num_seqs: int = 8,
+                 step_tokens: int = 256, max_waiting: int = 64, **app_args):
+        from paperback.engine.llm import LLMEngine
+        from paperback.engine.scheduler import SchedulerConfig
+        from paperback.server.async_engine import AsyncEngine
+
+        self.engine = AsyncEngine(LLMEngine(lm, num_blocks=num_blocks,
+                                            scheduler=SchedulerConfig(max_num_seqs, step_tokens)),
+                                  max_waiting=max_waiting, model_name=name)
+        self.name, self.app_args = name, app_args
+
+    def __enter__(self):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from paperback.server.app import create_app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.name, **self.app_args),
+                                                    host="127.0.0.1", port=port, log_level="error"))
+        threading.Thread(target=self.server.run, daemon=True).start()
+        for _ in range(400):
+            if self.server.started:
+                break
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             **kwargs)
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """The engine's stats once nothing runs, waits or holds a block (or at the timeout)."""
+        import time
+
+        for _ in range(int(timeout / 0.05)):
+            stats = self.engine.stats()
+            if stats["running"] == 0 and stats["waiting"] == 0 and stats["blocks_used"] == 0:
+                break
+            time.sleep(0.05)
+        return stats
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.engine.shutdown()

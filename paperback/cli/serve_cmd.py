@@ -33,14 +33,16 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Continuous batching over a paged KV cache: /v1/completions, "
                                    "/v1/chat/completions (stream=true for server-sent events), /v1/models, "
-                                   "/health and /metrics (Prometheus).")
+                                   "/tokenize, /detokenize, /version, /health and /metrics (Prometheus, vLLM's "
+                                   "series). vLLM's flag names are accepted; paperback's older names stay as "
+                                   "aliases.")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv", default=None,
-                   help="KV cache format of every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, pnmix, "
-                        "with settings and retention (sink=, window=) as in `paperback eval --kv`); default: the "
-                        "policy a fitted checkpoint carries, else fp32")
+    p.add_argument("--kv-cache-dtype", "--kv", dest="kv", default=None,
+                   help="KV cache format of every layer (auto, fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, "
+                        "pnmix, with settings and retention (sink=, window=) as in `paperback eval --kv`); default "
+                        "(auto): the policy a fitted checkpoint carries, else fp32")
     p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
     p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
     p.add_argument("--kv-memory", default=None, help="memory for the KV block pool (default 1GiB)")
@@ -51,59 +53,146 @@ def register(sub) -> None:
                    help="longest prompt plus completion a request may have (default: the model's context); the KV "
                         "memory is split between layer groups that free blocks differently for sequences this long")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
-    p.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
+    p.add_argument("--max-num-batched-tokens", "--max-step-tokens", dest="max_step_tokens", type=int, default=512,
+                   help="token budget of one step (chunked prefill; default 512)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--served-name", default=None, help="model name the API reports (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes already computed (default on)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--served-model-name", "--served-name", dest="served_name", default=None,
+                   help="model name the API reports and requests must name (default: the model's)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY or none)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) for models that carry none")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model and cache live")
+    p.add_argument("--max-body-size", default="4MiB", help="largest request body accepted (default 4MiB)")
     add_dtype_arg(p)
     p.set_defaults(func=run)
 
 
+def kv_cache_dtype(value: str | None) -> str | None:
+    """vLLM's --kv-cache-dtype values mapped to paperback's formats (None: the default policy)."""
+    from paperback.errors import PaperbackError
+
+    if value in (None, "auto"):
+        return None
+    if value in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla"):
+        raise PaperbackError(f"--kv-cache-dtype {value} is not supported here; fp8 (E4M3) is")
+    return "fp8" if value == "fp8_e4m3" else value
+
+
+def bind(host: str, port: int):
+    """The listening socket, bound before the model loads so a busy port fails in a second, not a minute."""
+    import socket
+
+    from paperback.errors import PaperbackError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PaperbackError(f"cannot resolve --host {host}: {exc}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PaperbackError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server there? "
+                             f"pick another --port)") from None
+    return sock
+
+
+def read_chat_template(value: str) -> str:
+    from pathlib import Path
+
+    from paperback.errors import PaperbackError
+
+    path = Path(value)
+    if "{" in value:  # the template itself, as vLLM accepts
+        text = value
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PaperbackError(f"--chat-template {value}: cannot read it ({exc})") from None
+    try:
+        import jinja2
+
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise PaperbackError(f"--chat-template: not a valid Jinja template ({exc.message}, line {exc.lineno})") \
+            from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
     import uvicorn
 
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
+    from paperback.errors import PaperbackError
+    from paperback.kv import build_policy, parse_kv_scheme
     from paperback.loading import load_model
+    from paperback.memory import module_bytes
+    from paperback.quantization.checkpoint import checkpoint_kv_policy
     from paperback.server.app import create_app
     from paperback.server.async_engine import AsyncEngine
-
-    from paperback.kv import build_policy, parse_kv_scheme
-
-    from paperback.errors import PaperbackError
-    from paperback.memory import module_bytes
 
     if args.memory and args.kv_memory:
         raise PaperbackError("give either --memory (total) or --kv-memory (the KV pool alone), not both")
     kv_memory = parse_bytes(args.kv_memory or "1GiB")
     total = parse_bytes(args.memory) if args.memory else None
-    if args.kv is not None:
-        parse_kv_scheme(args.kv)  # a bad format fails before the model loads
-    lm = load_model(args.model, args.dtype)
-    if total is not None:
-        weights = module_bytes(lm.model)
-        kv_memory = total - weights
-        if kv_memory <= 0:
-            raise PaperbackError(f"--memory {args.memory} does not even hold the weights ({weights / 2**20:.0f} MiB)")
-    from paperback.quantization.checkpoint import checkpoint_kv_policy
-
-    fitted = None
-    if args.kv is None and args.kv_policy is None and args.kv_skip_layers is None:
-        fitted = checkpoint_kv_policy(lm.source.path)
-    kv = args.kv if args.kv is not None or fitted is not None else "fp32"
-    policy = build_policy(lm.config, kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
-    engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
-                       prefix_caching=not args.no_prefix_caching,
-                       scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens),
-                       max_model_len=args.max_model_len)
-    runner = AsyncEngine(engine, max_waiting=args.max_waiting)
+    max_body = parse_bytes(args.max_body_size)
+    kv_format = kv_cache_dtype(args.kv)
+    if kv_format is not None:
+        parse_kv_scheme(kv_format)  # a bad format fails before the model loads
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PaperbackError("--device cuda: this machine has no CUDA device")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    sock = bind(args.host, args.port)
+    try:
+        lm = load_model(args.model, args.dtype)
+        if args.device == "cuda":
+            lm.model.to("cuda")
+        if template is not None:
+            lm.tokenizer.template_override = template
+        if total is not None:
+            weights = module_bytes(lm.model)
+            kv_memory = total - weights
+            if kv_memory <= 0:
+                raise PaperbackError(f"--memory {args.memory} does not even hold the weights "
+                                     f"({weights / 2**20:.0f} MiB)")
+        fitted = None
+        if kv_format is None and args.kv_policy is None and args.kv_skip_layers is None:
+            fitted = checkpoint_kv_policy(lm.source.path)
+        kv = kv_format if kv_format is not None or fitted is not None else "fp32"
+        policy = build_policy(lm.config, kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
+        engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
+                           prefix_caching=args.enable_prefix_caching,
+                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens),
+                           max_model_len=args.max_model_len)
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_name or lm.source.label
+    runner = AsyncEngine(engine, max_waiting=args.max_waiting, model_name=name)
     pools = " + ".join(f"{m.num_blocks} ({len(g.layers)} layers" + (f", window {g.window})" if g.window else ")")
                        for g, m in zip(engine.blocks.groups, engine.blocks.managers))
     note(f"serving {name} on http://{args.host}:{args.port}/v1 (KV blocks of {engine.blocks.block_size} tokens: "
-         f"{pools}; up to {engine.max_model_len} tokens a request)")
+         f"{pools}; up to {engine.max_model_len} tokens a request"
+         f"{'; API key required' if api_key else ''})")
+    app = create_app(runner, name, api_key=api_key, max_body_bytes=max_body)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
-        uvicorn.run(create_app(runner, name), host=args.host, port=args.port, log_level="warning")
+        server.run(sockets=[sock])
     finally:
         runner.shutdown()
+        sock.close()
     return 0

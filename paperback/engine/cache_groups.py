@@ -83,6 +83,8 @@ class GroupedBlocks:
         self.block_size = block_size
         self.step_tokens = step_tokens
         self.managers = [BlockManager(n, block_size, prefix_caching, salt) for n in num_blocks]
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (whole blocks)
+        self.prefix_hit_tokens = 0  # of them, found cached in every group
 
     # --- totals over the groups, as one pool reports them --------------------------------------------------
     @property
@@ -106,6 +108,11 @@ class GroupedBlocks:
         # Every group looks up the same blocks and takes the hit all groups share.
         return self.managers[0].prefix_hit_rate
 
+    @property
+    def usage(self) -> float:
+        """Fraction of the pools' blocks held by sequences (the most used group's)."""
+        return max(m.num_used / m.num_blocks for m in self.managers)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -127,21 +134,26 @@ class GroupedBlocks:
         # A group whose holdings are bounded (it evicts) gets blocks a chunk at a time; the others the prompt.
         return budget if group.window else None
 
-    def _common_cached(self, tokens: list[int]) -> int:
-        return min(m.cached_blocks(tokens) for m in self.managers)
+    def _common_cached(self, tokens: list[int], use_cache: bool = True) -> int:
+        return min(m.cached_blocks(tokens) for m in self.managers) if use_cache else 0
 
-    def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None) -> bool:
-        cached = self._common_cached(tokens)
+    def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None,
+                     use_cache: bool = True) -> bool:
+        cached = self._common_cached(tokens, use_cache)
         return all(m.can_allocate(tokens, keep_free, self._max_new(g, max_new), cached)
                    for g, m in zip(self.groups, self.managers))
 
-    def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None) -> int:
+    def allocate(self, seq_id: int, tokens: list[int], max_new: int | None = None, use_cache: bool = True) -> int:
         """Blocks in every group for a new sequence (a group that evicts gets its cached prefix and the next
-        `max_new` tokens only); returns how many leading tokens every group has cached."""
-        cached = self._common_cached(tokens)
+        `max_new` tokens only); returns how many leading tokens every group has cached (none without
+        `use_cache`)."""
+        cached = self._common_cached(tokens, use_cache)
         budgets = [self._max_new(g, max_new) for g in self.groups]
         if not all(m.can_allocate(tokens, 0, n, cached) for m, n in zip(self.managers, budgets)):
             raise NoFreeBlocks(f"not enough free blocks for sequence {seq_id}")
+        if self.managers[0].prefix_caching:
+            self.prefix_query_tokens += (len(tokens) - 1) // self.block_size * self.block_size
+            self.prefix_hit_tokens += cached * self.block_size
         return min(m.allocate(seq_id, tokens, n, cached) for m, n in zip(self.managers, budgets))
 
     def ensure_slots(self, seq_id: int, num_tokens: int) -> list[tuple[int, int, int]]:

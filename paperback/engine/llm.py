@@ -15,16 +15,20 @@ import itertools
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from paperback.engine.cache_groups import GroupedBlocks, cache_groups, split_blocks
+from paperback.engine.outputs import (CompletionOutput, CompletionState, RequestOutput, RequestState,  # noqa: F401
+                                      TokenLogprob, token_logprob)
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
 from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
-from paperback.errors import ContextLengthError, PaperbackError
-from paperback.generation.generate import IncrementalDetokenizer, _find_stop
-from paperback.generation.sampling import SamplingParams, make_generator, sample
+from paperback.errors import PaperbackError
+from paperback.generation.generate import check_fits
+from paperback.generation.sampling import SamplingParams, apply_penalties, make_generator, sample, sampled_logprobs
+from paperback.generation.structured import GrammarMatcher
+from paperback.generation.text_stream import TextStream
 from paperback.kv.policy import KVPolicy, build_policy
 from paperback.kv.schemes import paged_block_size
 from paperback.memory import dtype_bytes
@@ -36,32 +40,6 @@ def block_bytes(config, policy: KVPolicy, block_size: int, layers=None) -> int:
     elements = 2 * config.num_kv_heads * block_size * config.head_dim
     layers = range(config.num_layers) if layers is None else layers
     return sum(math.ceil(elements * policy.scheme_for(i).bits_per_element(config.head_dim) / 8) for i in layers)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" or "length"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    timings: dict = field(default_factory=dict)  # arrival-relative seconds: first_token, finished; preemptions
-
-
-@dataclass
-class _Request:
-    request_id: str
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: dict[int, IncrementalDetokenizer]
-    texts: dict[int, str]
-    forked: bool = False
 
 
 def default_kv_amax(lm) -> dict:
@@ -133,26 +111,58 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
                                    on_free=lambda seq: self.pool.release(seq.seq_id))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.positions_computed = 0  # token positions run through the model, recomputed ones included
+        self.prompt_tokens = 0  # prompt tokens of requests that reached their first token (each counted once)
+        self.generation_tokens = 0  # tokens sampled
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
     # --- requests -------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a PaperbackError (ContextLengthError for length) naming why this request could never run here:
+        the one check of prompts against the context and the pool, used by every entry point."""
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise PaperbackError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        check_fits(len(prompt_ids), params.max_tokens, self.max_model_len,
+                   "this engine's context (max_model_len)")
+        if params.top_k > self.vocab_size:
+            raise PaperbackError(f"top_k {params.top_k} exceeds the vocabulary of {self.vocab_size} tokens")
+        if params.largest_token_id() >= self.vocab_size:
+            raise PaperbackError(f"token id {params.largest_token_id()} (in logit_bias or stop_token_ids) is not in "
+                                 f"the vocabulary of {self.vocab_size} tokens")
+        if params.structured is not None and self.tokenizer is None:
+            raise PaperbackError("structured output needs the model's tokenizer")
+        self.scheduler.check(params, len(prompt_ids))
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         request_id = request_id or f"req-{next(self._request_ids)}"
-        limit = self.max_model_len
-        if not prompt_ids:
-            raise PaperbackError("the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ContextLengthError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                     f"exceeds the engine's context of {limit} tokens (max_model_len)")
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), params)
+        if request_id in self.requests:
+            raise PaperbackError(f"request id {request_id} is already in use")
+        prompt_ids = list(prompt_ids)
+        self.check_request(prompt_ids, params)
+        seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params)
+        request = RequestState(request_id, params, prompt_ids, [seq])
+        request.completions[seq.seq_id] = self._completion(prompt_ids, params)
         seq.generator = make_generator(params)
         self.scheduler.add(seq)
-        self.requests[request_id] = _Request(request_id, params, [seq], {seq.seq_id: self._detok(prompt_ids)},
-                                             {seq.seq_id: ""})
+        self.requests[request_id] = request
         return request_id
+
+    def _completion(self, prompt_ids: list[int], params: SamplingParams,
+                    matcher: GrammarMatcher | None = None) -> CompletionState:
+        stream = TextStream(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
+        if matcher is None and params.structured is not None:
+            matcher = GrammarMatcher(params.structured, self.tokenizer, self._stop_ids(params), self.vocab_size)
+        return CompletionState(stream, matcher)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its sequences finish at once and free their blocks."""
@@ -162,13 +172,23 @@ class LLMEngine:
                 if seq.status is not Status.FINISHED:
                     self.scheduler.finish(seq, "abort")
 
-    def _detok(self, prompt_ids):
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
 
     # --- the step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns what each request reports of it (by its output_kind: by default the
+        requests that finished). A request that fails inside the step finishes alone with `error` set."""
         plan = self.scheduler.schedule()
         for group, src, dst in plan.copies:
             self.pool.copy_block(group, src, dst)
@@ -180,14 +200,22 @@ class LLMEngine:
         seqs = [StepSequence(s.seq_id, n, s.num_computed + n,
                              tuple(torch.tensor(t, device=device) for t in self.blocks.tables(s.seq_id)))
                 for s, n in plan.work]
-        batch = StepBatch(self.pool, seqs)
-        ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]],
-                           device=device)
-        hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
+        touched = {s.request_id for s, _ in plan.work}
+        try:
+            batch = StepBatch(self.pool, seqs)
+            ids = torch.tensor([[t for s, n in plan.work for t in s.tokens[s.num_computed:s.num_computed + n]]],
+                               device=device)
+            hidden = self.model.hidden_states(ids, kv_cache=batch, positions=batch.positions)[0]
+        except Exception as exc:  # the model failed on this step's batch: its requests fail, the others go on
+            for request_id in touched:
+                self._fail(self.requests[request_id], exc)
+            return self._outputs(touched)
         self.positions_computed += ids.shape[1]
         ends, samplers = [], []
         offset = 0
         for seq, n in plan.work:
+            if self.requests[seq.request_id].params.prompt_logprobs is not None:
+                self._score_prompt(seq, hidden[offset:offset + n])
             offset += n
             seq.num_computed += n
             final = self.pool.final_blocks(seq.seq_id, seq.num_computed)
@@ -196,16 +224,57 @@ class LLMEngine:
             if seq.num_computed == seq.num_tokens:  # this step reached its last token: sample the next
                 ends.append(offset - 1)
                 samplers.append(seq)
-        finished: list[RequestOutput] = []
         if samplers:
             logits = self.model.logits(hidden[ends]).float().cpu()  # sampling runs on CPU, seeded per request
             for seq, row in zip(samplers, logits):
-                for target in self._fork_if_needed(seq):
-                    self._append_token(target, row)
-        for request in list(self.requests.values()):
-            if all(s.status is Status.FINISHED for s in request.seqs):
-                finished.append(self._output(self.requests.pop(request.request_id)))
-        return finished
+                request = self.requests[seq.request_id]
+                if not request.prompt_counted:
+                    request.prompt_counted = True
+                    self.prompt_tokens += len(request.prompt_ids)
+                try:
+                    if request.params.max_tokens == 0:  # the prompt alone was to be scored
+                        self.scheduler.finish(seq, "length")
+                        continue
+                    for target in self._fork_if_needed(seq):
+                        self._append_token(target, row)
+                except Exception as exc:  # bad state of this request alone (a grammar dead end, a sampler error)
+                    self._fail(request, exc)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in touched:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            output = request.output()
+            if request.finished:
+                self.requests.pop(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail(self, request: RequestState, exc: Exception) -> None:
+        request.error = str(exc) or type(exc).__name__
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "error")
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this chunk's positions predict (position p predicts p + 1)."""
+        request = self.requests[seq.request_id]
+        if request.prompt_scored:
+            return  # recomputed after a preemption
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        start, prompt = seq.num_computed, request.prompt_ids
+        top = request.params.prompt_logprobs
+        for lo in range(0, hidden.shape[0], 64):  # a vocabulary-wide row per position: a few at a time
+            rows = torch.log_softmax(self.model.logits(hidden[lo:lo + 64]).float().cpu(), dim=-1)
+            for i, row in enumerate(rows):
+                target = start + lo + i + 1
+                if target < len(prompt) and target == len(request.prompt_logprobs):
+                    request.prompt_logprobs.append(token_logprob(row, prompt[target], top))
 
     def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
         """The n sequences of a request that just finished its prefill (forked here), else seq alone."""
@@ -214,59 +283,69 @@ class LLMEngine:
             request.forked = True
             return [seq]
         request.forked = True
+        parent = request.completions[seq.seq_id]
         for i in range(1, request.params.n):
             params = request.params
             child = Sequence(next(self._seq_ids), seq.request_id, list(seq.prompt_ids), params,
                              arrival=seq.arrival, num_computed=seq.num_computed)
-            seeded = replace(params, seed=None if params.seed is None else params.seed + i)
+            child.first_scheduled_time = seq.first_scheduled_time
+            seeded = replace(params, seed=None if params.seed is None else (params.seed + i) % 2 ** 64)
             child.generator = make_generator(seeded)
             self.blocks.fork(seq.seq_id, child.seq_id)
             self.pool.fork(seq.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             request.seqs.append(child)
-            request.detoks[child.seq_id] = self._detok(seq.prompt_ids)
-            request.texts[child.seq_id] = ""
+            matcher = parent.matcher.fork() if parent.matcher else None
+            request.completions[child.seq_id] = self._completion(seq.prompt_ids, params, matcher)
         return list(request.seqs)
 
     def _append_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.params
+        state = self.requests[seq.request_id].completions[seq.seq_id]
+        logits = apply_penalties(logits, params, seq.prompt_ids, seq.output_ids)
+        if state.matcher is not None:
+            allowed = state.matcher.allowed()
+            if not allowed.any():
+                raise PaperbackError("the grammar allows no next token")
+            logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(sample(logits[None], params, seq.generator)[0])
+        self.generation_tokens += 1
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        request = self.requests[seq.request_id]
-        eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_token_ids
-        if token in eos or token in params.stop_token_ids:
+        seq.token_times.append(now)
+        if params.logprobs is not None:
+            state.logprobs.append(token_logprob(sampled_logprobs(logits[None], params)[0], token, params.logprobs))
+        if token in self._stop_ids(params):
+            state.stop_reason = token if token in params.stop_token_ids else None  # EOS has none, as in vLLM
             self.scheduler.finish(seq, "stop")
             return
+        if state.matcher is not None:
+            state.matcher.accept(token)
         seq.output_ids.append(token)
-        detok = request.detoks[seq.seq_id]
-        if detok is not None:
-            text = request.texts[seq.seq_id] + detok.push(token)
-            hit = _find_stop(text, params.stop, len(request.texts[seq.seq_id]) - max(map(len, params.stop), default=0))
-            if hit is not None:
-                request.texts[seq.seq_id] = text[:hit[0]]
-                self.scheduler.finish(seq, "stop")
-                return
-            request.texts[seq.seq_id] = text
+        if state.stream is not None and state.stream.push(token):
+            state.stop_reason = state.stream.stop_string
+            self.scheduler.finish(seq, "stop")
+            return
         if len(seq.output_ids) >= params.max_tokens:
             self.scheduler.finish(seq, "length")
+        elif state.matcher is not None and state.matcher.done:
+            self.scheduler.finish(seq, "stop")
 
-    def _output(self, request: _Request) -> RequestOutput:
-        first = request.seqs[0]
-        outputs = [CompletionOutput(i, request.texts[s.seq_id], s.output_ids, s.finish_reason)
-                   for i, s in enumerate(request.seqs)]
-        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-        timings = {"time_to_first_token_s": min(firsts) - first.arrival if firsts else None,
-                   "total_s": max(s.finish_time for s in request.seqs) - first.arrival,
-                   "preemptions": sum(s.preemptions for s in request.seqs)}
-        return RequestOutput(request.request_id, first.prompt_ids, outputs, timings)
+    def stats(self) -> dict:
+        """Queue depths, pool use and prefix-cache counts, for metrics and monitoring."""
+        return {"running": self.num_running, "waiting": self.num_waiting, "blocks_used": self.blocks.num_used,
+                "blocks_free": self.blocks.num_free, "kv_cache_usage": self.blocks.usage,
+                "prefix_query_tokens": self.blocks.prefix_query_tokens,
+                "prefix_hit_tokens": self.blocks.prefix_hit_tokens, "prefix_hit_rate": self.blocks.prefix_hit_rate,
+                "preemptions": self.scheduler.preemptions, "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens}
 
     def run(self) -> list[RequestOutput]:
-        """Step until every request has finished; outputs in the order requests finished."""
+        """Step until every request has finished; the finished outputs in the order requests finished."""
         done = []
         while self.scheduler.has_work:
-            done += self.step()
+            done += [o for o in self.step() if o.finished]
         return done
 
 

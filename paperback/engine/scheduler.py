@@ -48,6 +48,8 @@ class Sequence:
     finish_time: float | None = None
     preemptions: int = 0
     admitted_step: int = -1
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
 
     @property
     def tokens(self) -> list[int]:
@@ -92,14 +94,19 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
+        self.preemptions = 0
+
+    def check(self, params: SamplingParams, num_tokens: int) -> None:
+        """Whether a request could ever run: its n completions side by side, its longest sequence in the pool."""
+        if params.n > self.config.max_num_seqs:
+            raise PaperbackError(f"n = {params.n} completions exceed the engine's {self.config.max_num_seqs} "
+                                 f"running sequences (max_num_seqs)")
+        if not self.blocks.fits(num_tokens + params.max_tokens):
+            raise PaperbackError(f"the request needs more KV blocks than the whole pool holds "
+                                 f"({num_tokens} + {params.max_tokens} tokens)")
 
     def add(self, seq: Sequence) -> None:
-        if seq.params.n > self.config.max_num_seqs:
-            raise PaperbackError(f"n = {seq.params.n} completions exceed the engine's {self.config.max_num_seqs} "
-                                 f"running sequences")
-        if not self.blocks.fits(seq.num_tokens + seq.params.max_tokens):
-            raise PaperbackError(f"request {seq.request_id} needs more KV blocks than the whole pool holds "
-                                 f"({seq.num_tokens} + {seq.params.max_tokens} tokens)")
+        self.check(seq.params, seq.num_tokens)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -123,6 +130,7 @@ class Scheduler:
         self.on_free(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledStep:
@@ -156,13 +164,17 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
+            # A prompt whose log-probabilities are asked for is computed, never read from the prefix cache.
+            use_cache = seq.params.prompt_logprobs is None
             if len(self.running) + self._width(seq) > self.config.max_num_seqs or \
-                    not self.blocks.can_allocate(seq.tokens, keep_free=len(self.running), max_new=budget):
+                    not self.blocks.can_allocate(seq.tokens, len(self.running), budget, use_cache):
                 break
             self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens, budget)
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens, budget, use_cache)
             self.on_admit(seq, seq.num_computed)
             seq.status, seq.admitted_step = Status.RUNNING, self.steps
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             self.running.append(seq)
             new = min(seq.num_tokens - seq.num_computed, budget)
             work.append((seq, new))

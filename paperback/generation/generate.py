@@ -15,24 +15,21 @@ import torch
 
 from paperback.errors import ContextLengthError, PaperbackError
 from paperback.generation.kv_cache import ContiguousKVCache
-from paperback.generation.sampling import SamplingParams, make_generator, sample
+from paperback.generation.sampling import SamplingParams, apply_penalties, make_generator, sample
+from paperback.generation.text_stream import IncrementalDetokenizer, TextStream  # noqa: F401 (re-exported)
 from paperback.loading import LoadedModel
 from paperback.models import DecoderLM
 
 
-def check_fits(model: DecoderLM, prompt_len: int, max_tokens: int) -> None:
-    context = model.config.max_position_embeddings
+def check_fits(prompt_len: int, max_tokens: int, context: int, what: str = "the model's context") -> None:
+    """The one context check: a prompt and its completion must fit in `context` tokens."""
     if prompt_len == 0:
         raise PaperbackError("the prompt is empty")
     if prompt_len >= context:
-        raise ContextLengthError(
-            f"the prompt has {prompt_len} tokens but the model's context is {context} tokens"
-        )
+        raise ContextLengthError(f"the prompt has {prompt_len} tokens but {what} is {context} tokens")
     if prompt_len + max_tokens > context:
-        raise ContextLengthError(
-            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
-            f"{context} tokens; lower max_tokens to {context - prompt_len} or less"
-        )
+        raise ContextLengthError(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds {what} of "
+                                 f"{context} tokens; lower max_tokens to {context - prompt_len} or less")
 
 
 @torch.inference_mode()
@@ -43,14 +40,20 @@ def generate_tokens(model: DecoderLM, prompt_ids: torch.Tensor, params: Sampling
     closing the iterator.
     """
     batch, prompt_len = prompt_ids.shape
-    check_fits(model, prompt_len, params.max_tokens)
+    check_fits(prompt_len, params.max_tokens, model.config.max_position_embeddings)
     dtype = model.dtype
     cache = ContiguousKVCache(model.config, batch, prompt_len + params.max_tokens, dtype)
     generator = make_generator(params)
     logits = model(prompt_ids, 0, cache, last_only=True)[:, -1]
     position = prompt_len
+    history = [[] for _ in range(batch)]
     for step in range(params.max_tokens):
+        if params.penalized:
+            logits = torch.stack([apply_penalties(row, params, p.tolist(), h)
+                                  for row, p, h in zip(logits, prompt_ids, history)])
         token = sample(logits.float(), params, generator)
+        for h, t in zip(history, token.tolist()):
+            h.append(t)
         yield token
         if step + 1 == params.max_tokens:
             break
@@ -76,29 +79,6 @@ class GenerationResult:
         return steps / decode_time if steps > 0 and decode_time > 0 else 0.0
 
 
-class IncrementalDetokenizer:
-    """Text deltas from a growing list of token ids.
-
-    Decodes a short window of recent ids so that multi-token characters and
-    SentencePiece leading spaces come out right (the way vLLM does it).
-    """
-
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-6:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix):]
-        return ""
-
-
 def generate(
     lm: LoadedModel,
     prompt: str | list[int],
@@ -120,10 +100,8 @@ def generate(
     else:
         prompt_ids = list(prompt)
     stop_ids = set() if params.ignore_eos else set(tok.end_of_turn_ids if chat else tok.eos_token_ids)
-    detok = IncrementalDetokenizer(tok, prompt_ids)
-    holdback = max((len(s) for s in params.stop), default=1) - 1
+    stream = TextStream(tok, prompt_ids, params.stop)
     out_ids: list[int] = []
-    text, emitted = "", 0
     finish, stop_reason = "length", None
     start = time.perf_counter()
     first_token_s = 0.0
@@ -136,28 +114,16 @@ def generate(
             finish, stop_reason = "stop", token_id
             break
         out_ids.append(token_id)
-        text += detok.push(token_id)
-        hit = _find_stop(text, params.stop, emitted - holdback)
-        if hit is not None:
-            text, stop_reason = text[:hit[0]], hit[1]
-            finish = "stop"
+        if stream.push(token_id):
+            finish, stop_reason = "stop", stream.stop_string
             break
-        safe_end = max(emitted, len(text) - holdback)
-        if on_text and safe_end > emitted:
-            on_text(text[emitted:safe_end])
-        emitted = max(emitted, safe_end)
+        if on_text:
+            new = stream.take()
+            if new:
+                on_text(new)
     tokens.close()
-    if on_text and len(text) > emitted:
-        on_text(text[emitted:])
+    rest = stream.take(final=True)
+    if on_text and rest:
+        on_text(rest)
     total = time.perf_counter() - start
-    return GenerationResult(text, out_ids, finish, len(prompt_ids), first_token_s, total, stop_reason)
-
-
-def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
-    """Earliest (index, stop string) in text at or after search_from."""
-    best = None
-    for s in stops:
-        idx = text.find(s, max(0, search_from))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best
+    return GenerationResult(stream.text, out_ids, finish, len(prompt_ids), first_token_s, total, stop_reason)

@@ -19,6 +19,10 @@ from paperback.errors import ModelFileError, PaperbackError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
 
 
+class NoChatTemplate(PaperbackError):
+    """Chat was asked of a model whose tokenizer carries no chat template."""
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PAPERBACK_CACHE", Path.home() / ".cache" / "paperback"))
 
@@ -37,20 +41,33 @@ class Tokenizer:
         probe = hf_tokenizer.encode("a", add_special_tokens=True)
         self.adds_bos = self.bos_token_id is not None and bool(probe) and probe[0] == self.bos_token_id
 
+        self.template_override: str | None = None  # a chat template given by the user (serve --chat-template)
+
     @property
     def chat_template(self) -> str | None:
-        return getattr(self.hf, "chat_template", None) or None
+        return self.template_override or getattr(self.hf, "chat_template", None) or None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PaperbackError("the text is not valid Unicode (it holds a lone surrogate)") from None
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
         if not self.chat_template:
-            raise PaperbackError("this model has no chat template; pass a plain prompt (drop --chat)")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            raise NoChatTemplate("this model has no chat template; pass a plain prompt, or give a template "
+                                 "(serve --chat-template FILE)")
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=self.chat_template)
+        except (TemplateError, ValueError) as exc:
+            raise PaperbackError(f"the chat template failed on these messages: {exc}") from None
 
 
 def _file_key(path: Path) -> str:

@@ -153,4 +153,4 @@ def test_eval_bad_kv_settings(capsys, argv, message):
     (["--kv-memory", "1KiB"], "holds no block"),
 ])
 def test_serve_bad_settings(capsys, argv, message):
-    assert message in run_cli(capsys, "serve", "smollm2", *argv)
+    assert message in run_cli(capsys, "serve", "smollm2", "--port", "0", *argv)

@@ -43,6 +43,7 @@ def test_greedy_continuations_are_identical_for_64_tokens(pair):
     assert ours.tolist() == theirs.tolist()
 
 
+@pytest.mark.slow  # about 100 s on 2 cores; fp32 parity above stays in the default suite
 @pytest.mark.parametrize("model", MODELS)
 def test_bf16_runtime_tracks_fp32(model, request):
     """bf16 weights and activations: small KL to fp32 and mostly the same top token."""

@@ -1,46 +1,20 @@
 """The OpenAI-compatible server, driven by the real `openai` client against a server this test starts."""
 
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from paperback.engine.llm import LLMEngine
-from paperback.engine.scheduler import SchedulerConfig
+from helpers import LiveServer
 from paperback.generation.generate import generate_tokens
 from paperback.generation.sampling import SamplingParams
-from paperback.server.app import create_app
-from paperback.server.async_engine import AsyncEngine
-
-
-def start_server(lm, **engine_args):
-    max_waiting = engine_args.pop("max_waiting", 64)
-    engine = AsyncEngine(LLMEngine(lm, num_blocks=engine_args.pop("num_blocks", 256),
-                                   scheduler=SchedulerConfig(8, 256)), max_waiting=max_waiting)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "smollm2"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    return server, engine, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-    server, engine, url = start_server(smollm2)
-    yield engine, url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    server.should_exit = True
-    engine.shutdown()
+    with LiveServer(smollm2) as live:
+        yield live.engine, live.url, live.client()
 
 
 def greedy_text(lm, prompt_ids, n):
@@ -104,9 +78,13 @@ def test_metrics_expose_queues_blocks_and_latency(served):
     _, url, client = served
     client.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0)
     text = httpx.get(f"{url}/metrics").text
-    for name in ("paperback_requests_running", "paperback_requests_waiting", "paperback_kv_blocks_used",
-                 "paperback_kv_blocks_free", "paperback_prefix_cache_hit_rate",
-                 "paperback_time_to_first_token_seconds_bucket", "paperback_time_per_output_token_seconds_count"):
+    for name in ('vllm:num_requests_running{model_name="smollm2"}', "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:time_to_first_token_seconds_bucket",
+                 'vllm:request_success_total{finished_reason="length",model_name="smollm2"}',
+                 "paperback_kv_blocks_used", "paperback_kv_blocks_free"):
         assert name in text, name
 
 
@@ -128,12 +106,8 @@ def test_disconnect_mid_stream_frees_blocks(served):
     assert all(b.ref_count == 0 for b in engine.engine.blocks.blocks)
 
 
-def test_full_queue_answers_429(smollm2):
-    server, engine, url = start_server(smollm2, max_waiting=0)
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)
-    finally:
-        server.should_exit = True
-        engine.shutdown()
+def test_full_queue_answers_429_with_retry_after(smollm2):
+    with LiveServer(smollm2, max_waiting=0) as live:
+        with pytest.raises(openai.RateLimitError) as info:
+            live.client().completions.create(model="smollm2", prompt="Hello", max_tokens=2)
+        assert info.value.response.headers["retry-after"] == "1"
