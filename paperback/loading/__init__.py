@@ -68,6 +68,11 @@ def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str,
             raise ModelFileError(
                 f"{label}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
             )
+        wanted = meta_state[name].dtype
+        if tensor.is_floating_point() != wanted.is_floating_point or \
+                (not wanted.is_floating_point and tensor.dtype != wanted):
+            raise ModelFileError(f"{label}: tensor '{name}' is stored as {tensor.dtype}, which cannot hold what "
+                                 f"this layer needs ({wanted}): the file is corrupt or was edited")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ModelFileError(f"{label}: tensor '{name}' holds NaN or infinite values")
         target = dtype if meta_state[name].dtype == torch.float32 else meta_state[name].dtype
@@ -120,10 +125,11 @@ def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> L
             tokenizer = tokenizer_from_gguf(source.path, (eot,) if eot is not None else ())
     elif source.kind == "paperback":
         from paperback.quantization.checkpoint import (
-            WEIGHTS_FILE, config_from_recipe, prepare_quantized_model, read_recipe)
+            WEIGHTS_FILE, config_from_recipe, prepare_quantized_model, read_recipe, verify_weights)
 
         recipe = read_recipe(source.path)
         config = config_from_recipe(recipe, source.path)
+        verify_weights(recipe, source.path)
         model = assemble_model(config, read_safetensors([source.path / WEIGHTS_FILE]), dtype, source.label,
                                prepare=lambda m: prepare_quantized_model(m, recipe))
         tokenizer = tokenizer_from_dir(source.path) if with_tokenizer else None

@@ -6,6 +6,7 @@ uses), so the weights are the reference both engines compute with.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,12 @@ import torch
 
 from paperback.errors import ModelFileError, UnsupportedModelError
 from paperback.loading.weight_names import GGUF_ARCHS, GGUFArch, gguf_to_model_name
-from paperback.models.config import ModelConfig, RopeConfig
+from paperback.models.config import INT_RANGES, ModelConfig, RopeConfig
 
 GEMMA3_SLIDING_PATTERN = 6  # every 6th Gemma 3 layer is global; GGUF does not store it
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+SPECIAL_TOKEN_FIELDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                        "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id")
 
 
 class GGUFModelFile:
@@ -36,13 +39,7 @@ class GGUFModelFile:
             raise ModelFileError(
                 f"{self.path} is not a readable GGUF file (truncated or corrupt?): {exc}"
             ) from None
-        size = os.path.getsize(self.path)
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ModelFileError(
-                    f"{self.path} is truncated: tensor '{t.name}' ends at byte "
-                    f"{t.data_offset + t.n_bytes:,} but the file has {size:,} bytes"
-                )
+        self._check_layout(os.path.getsize(self.path))
         self.arch_name = str(self._field("general.architecture", required=True))
         if self.arch_name not in GGUF_ARCHS:
             raise UnsupportedModelError(
@@ -55,9 +52,53 @@ class GGUFModelFile:
         # for a 262k-token vocabulary they hold about 600 MB of small arrays.
         self._config = self._read_config()
         self.has_tokenizer = "tokenizer.ggml.model" in self.reader.fields
-        eot = self._field("tokenizer.ggml.eot_token_id")
-        self.eot_token_id = int(eot) if eot is not None else None
+        for key in SPECIAL_TOKEN_FIELDS:  # an id past the vocabulary fails later, deep in a tokenizer
+            self._int(key, 0, self._config.vocab_size - 1, arch=False)
+        self.eot_token_id = self._int("tokenizer.ggml.eot_token_id", 0, self._config.vocab_size - 1, arch=False)
         self.reader.fields.clear()
+
+    def _check_layout(self, size: int) -> None:
+        """Tensor data must lie inside the file and tile it: each tensor starts where the previous one ends
+        (up to alignment padding). A truncated file, overlapping ranges, or a tensor whose type was changed
+        (its byte count no longer fits its place) is refused here."""
+        align = max(1, int(getattr(self.reader, "alignment", 32)))
+        ordered = sorted(self.reader.tensors, key=lambda t: int(t.data_offset))
+        for t in ordered:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelFileError(
+                    f"{self.path} is truncated: tensor '{t.name}' ends at byte "
+                    f"{t.data_offset + t.n_bytes:,} but the file has {size:,} bytes"
+                )
+        ends = [int(self.reader.data_offset)] + [int(t.data_offset + t.n_bytes) for t in ordered]
+        for t, previous_end in zip(ordered, ends):
+            gap = int(t.data_offset) - previous_end
+            if gap < 0:
+                raise ModelFileError(f"{self.path}: tensor '{t.name}' overlaps the data before it (corrupt offsets "
+                                     f"or types)")
+            if gap >= align:
+                raise ModelFileError(f"{self.path}: {gap:,} unused bytes before tensor '{t.name}' (a changed "
+                                     f"tensor type or offset?)")
+        if ordered and size - ends[-1] >= align:
+            raise ModelFileError(f"{self.path}: {size - ends[-1]:,} bytes after the last tensor (a changed tensor "
+                                 f"type or shape?)")
+
+    def _int(self, key: str, lo: int, hi: int, default=None, required: bool = False, arch: bool = True):
+        """An integer metadata value, checked against its type and range before anything is computed from it."""
+        value = self._arch_field(key, default, required) if arch else self._field(key, default, required)
+        if value is None or value is default:
+            return value
+        name = f"{self.arch_name}.{key}" if arch else key
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ModelFileError(f"{self.path}: metadata '{name}' = {value!r} is not an integer in [{lo}, {hi}]")
+        return value
+
+    def _float(self, key: str, lo: float, hi: float, default: float) -> float:
+        value = self._arch_field(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not lo <= value <= hi:
+            raise ModelFileError(f"{self.path}: metadata '{self.arch_name}.{key}' = {value!r} is not a finite "
+                                 f"number in [{lo:g}, {hi:g}]")
+        return float(value)
 
     def _field(self, key: str, default=None, required: bool = False):
         field = self.reader.fields.get(key)
@@ -77,18 +118,19 @@ class GGUFModelFile:
         return self._config
 
     def _read_config(self) -> ModelConfig:
-        hidden = int(self._arch_field("embedding_length", required=True))
-        heads = int(self._arch_field("attention.head_count", required=True))
-        kv_heads = int(self._arch_field("attention.head_count_kv", heads))
-        layers = int(self._arch_field("block_count", required=True))
+        limits = INT_RANGES
+        hidden = self._int("embedding_length", *limits["hidden_size"], required=True)
+        heads = self._int("attention.head_count", *limits["num_heads"], required=True)
+        kv_heads = self._int("attention.head_count_kv", *limits["num_kv_heads"], heads)
+        layers = self._int("block_count", *limits["num_layers"], required=True)
         tokens = self._field("tokenizer.ggml.tokens")
-        vocab = int(self._arch_field("vocab_size", len(tokens) if tokens else 0))
+        vocab = self._int("vocab_size", *limits["vocab_size"], len(tokens) if tokens else 0)
         if not vocab:
             raise ModelFileError(f"{self.path} states no vocabulary size")
         family = self.arch.family
         kwargs: dict = {}
         if family == "gemma3":
-            window = int(self._arch_field("attention.sliding_window", required=True))
+            window = self._int("attention.sliding_window", *limits["sliding_window"], required=True)
             kwargs.update(
                 hidden_act="gelu_tanh",
                 sliding_window=window,
@@ -97,18 +139,18 @@ class GGUFModelFile:
                 ),
                 rope_local=RopeConfig(theta=GEMMA3_LOCAL_ROPE_THETA),
             )
-        head_dim = int(self._arch_field("attention.key_length", hidden // heads))
+        head_dim = self._int("attention.key_length", *limits["head_dim"], hidden // heads)
         return ModelConfig(
             family=family,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(self._arch_field("feed_forward_length", required=True)),
+            intermediate_size=self._int("feed_forward_length", *limits["intermediate_size"], required=True),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
-            max_position_embeddings=int(self._arch_field("context_length", 2048)),
+            rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-12, 0.1, 1e-6),
+            max_position_embeddings=self._int("context_length", *limits["max_position_embeddings"], 2048),
             rope=self._rope(),
             tie_word_embeddings="output.weight" not in self.tensor_names,
             attention_bias="blk.0.attn_q.bias" in self.tensor_names,
@@ -118,9 +160,9 @@ class GGUFModelFile:
         )
 
     def _rope(self) -> RopeConfig:
-        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        theta = self._float("rope.freq_base", 1e-3, 1e12, 10000.0)
         scaling = str(self._arch_field("rope.scaling.type", "none"))
-        factor = float(self._arch_field("rope.scaling.factor", 1.0))
+        factor = self._float("rope.scaling.factor", 1e-3, 1e6, 1.0)
         freq_factors = None
         if "rope_freqs.weight" in self.tensor_names:
             tensor = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")

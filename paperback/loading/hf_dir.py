@@ -146,7 +146,12 @@ class HFModelDir:
                 raise ModelFileError(f"missing weight shard: {shard}")
 
     def config(self) -> ModelConfig:
-        return config_from_hf(self.hf_config, self.path / "config.json")
+        path = self.path / "config.json"
+        try:
+            return config_from_hf(self.hf_config, path)
+        except (ValueError, TypeError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+            # a value of the wrong type or out of range (strings for numbers, zero heads, ...)
+            raise ModelFileError(f"{path}: malformed value ({exc})") from None
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in read_safetensors(self.shards):

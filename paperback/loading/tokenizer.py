@@ -23,6 +23,12 @@ class NoChatTemplate(PaperbackError):
     """Chat was asked of a model whose tokenizer carries no chat template."""
 
 
+def first_line(exc: Exception) -> str:
+    """A library's error message, first line only (some list every variant they tried)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PAPERBACK_CACHE", Path.home() / ".cache" / "paperback"))
 
@@ -84,8 +90,8 @@ def tokenizer_from_gguf(path: Path, eos_ids: tuple[int, ...] = (), use_cache: bo
         if use_cache and (cached / "tokenizer_config.json").exists():
             return Tokenizer(AutoTokenizer.from_pretrained(cached), eos_ids)
         hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelFileError(f"{path}: could not build a tokenizer from its metadata: {exc}") from None
+    except Exception as exc:  # the converters raise bare Exceptions on corrupt vocabularies
+        raise ModelFileError(f"{path}: could not build a tokenizer from its metadata: {first_line(exc)}") from None
     if use_cache:
         _save_atomically(hf, cached)
     return Tokenizer(hf, eos_ids)
@@ -108,5 +114,5 @@ def tokenizer_from_dir(path: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
         raise ModelFileError(f"{path} has no tokenizer.json (or tokenizer.model)")
     try:
         return Tokenizer(AutoTokenizer.from_pretrained(path), eos_ids)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelFileError(f"{path}: could not load its tokenizer: {exc}") from None
+    except Exception as exc:  # tokenizers raises bare Exceptions on a corrupt tokenizer.json
+        raise ModelFileError(f"{path}: could not load its tokenizer: {first_line(exc)}") from None

@@ -6,13 +6,32 @@ Both loaders (GGUF metadata and Hugging Face `config.json`) produce a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
-from paperback.errors import UnsupportedModelError
+from paperback.errors import ModelFileError, UnsupportedModelError
 
 FAMILIES = ("llama", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
+# Sane ranges of the integer fields: far beyond any released model, small enough that nothing computed from
+# them overflows or allocates absurdly before a tensor is read.
+INT_RANGES = {"vocab_size": (1, 2 ** 22), "hidden_size": (1, 2 ** 16), "intermediate_size": (1, 2 ** 18),
+              "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (1, 2048),
+              "max_position_embeddings": (1, 2 ** 24), "sliding_window": (1, 2 ** 24)}
+
+
+def check_int(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ModelFileError(f"model config field '{name}' = {value!r} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def check_float(name: str, value, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise ModelFileError(f"model config field '{name}' = {value!r} is not a finite number in [{lo:g}, {hi:g}]")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -34,8 +53,14 @@ class RopeConfig:
             raise UnsupportedModelError(
                 f"RoPE scaling '{self.scaling_type}' is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
-        if self.theta <= 0 or self.factor <= 0:
-            raise UnsupportedModelError("RoPE theta and scaling factor must be positive")
+        check_float("rope theta", self.theta, 1e-3, 1e12)
+        check_float("rope factor", self.factor, 1e-3, 1e6)
+        check_float("rope low_freq_factor", self.low_freq_factor, 1e-6, 1e6)
+        check_float("rope high_freq_factor", self.high_freq_factor, 1e-6, 1e6)
+        check_int("rope original_max_position_embeddings", self.original_max_position_embeddings, 1, 2 ** 24)
+        if self.freq_factors is not None:
+            for f in self.freq_factors:
+                check_float("rope freq_factors", f, 1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -73,10 +98,18 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unknown model family '{self.family}' (supported: {', '.join(FAMILIES)})"
             )
-        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if int(getattr(self, attr)) <= 0:
-                raise UnsupportedModelError(f"model config field '{attr}' must be positive")
+        for attr, (lo, hi) in INT_RANGES.items():
+            if attr != "sliding_window" or self.sliding_window is not None:
+                check_int(attr, getattr(self, attr), lo, hi)
+        check_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)
+        if self.rms_norm_eps == 0.0:
+            raise ModelFileError("model config field 'rms_norm_eps' must be positive")
+        for name in ("rope", "rope_local"):
+            value = getattr(self, name)
+            if (value is not None or name == "rope") and not isinstance(value, RopeConfig):
+                raise ModelFileError(f"model config field '{name}' is not a RoPE setting: {value!r}")
+        if self.query_pre_attn_scalar is not None:
+            check_float("query_pre_attn_scalar", self.query_pre_attn_scalar, 1e-6, 1e9)
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"

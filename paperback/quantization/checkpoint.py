@@ -12,6 +12,7 @@ interrupted run never leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -72,7 +73,8 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
         if tokenizer is not None:
             tokenizer.hf.save_pretrained(tmp)
         full_recipe = {"format_version": FORMAT_VERSION, "paperback_version": __version__,
-                       "model_config": model.config.to_dict(), **recipe}
+                       "model_config": model.config.to_dict(), **recipe,
+                       "weights_sha256": weights_digest(tmp / WEIGHTS_FILE)}
         (tmp / RECIPE_FILE).write_text(json.dumps(full_recipe, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -83,11 +85,22 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
     return out_dir
 
 
+def weights_digest(path: Path) -> str:
+    """sha256 of a weights file: a checkpoint records it, and a file changed since is refused."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def read_recipe(path: Path) -> dict:
     try:
-        recipe = json.loads((path / RECIPE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        recipe = json.loads((path / RECIPE_FILE).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{path / RECIPE_FILE} is unreadable: {exc}") from None
+    if not isinstance(recipe, dict):
+        raise ModelFileError(f"{path / RECIPE_FILE} does not hold a JSON object")
     version = recipe.get("format_version")
     if version != FORMAT_VERSION:
         raise UnsupportedModelError(
@@ -95,6 +108,16 @@ def read_recipe(path: Path) -> dict:
             f"this paperback ({__version__}) reads format {FORMAT_VERSION}"
         )
     return recipe
+
+
+def verify_weights(recipe: dict, path: Path) -> None:
+    """The weights file is the one the recipe was written with (checkpoints from before digests pass)."""
+    expected = recipe.get("weights_sha256")
+    if expected is None:
+        return
+    if not isinstance(expected, str) or weights_digest(path / WEIGHTS_FILE) != expected:
+        raise ModelFileError(f"{path / WEIGHTS_FILE} has changed since it was written (its sha256 differs from "
+                             f"the recipe's): the file is corrupt or was edited")
 
 
 def checkpoint_kv_policy(path) -> dict | None:
@@ -105,27 +128,47 @@ def checkpoint_kv_policy(path) -> dict | None:
     return read_recipe(path).get("kv_policy")
 
 
-def _rope(raw: dict | None) -> RopeConfig | None:
-    if raw is None:
+def _rope(raw, required: bool) -> RopeConfig | None:
+    if raw is None and not required:
         return None
+    if not isinstance(raw, dict):
+        raise TypeError(f"a RoPE setting must be an object, got {raw!r}")
     factors = raw.get("freq_factors")
     return RopeConfig(**{**raw, "freq_factors": tuple(factors) if factors is not None else None})
 
 
 def config_from_recipe(recipe: dict, path: Path) -> ModelConfig:
-    """The ModelConfig saved in a recipe (JSON lists back to tuples)."""
-    raw = dict(recipe.get("model_config") or {})
+    """The ModelConfig saved in a recipe (JSON lists back to tuples), every field checked."""
+    raw = recipe.get("model_config")
+    if not isinstance(raw, dict):
+        raise ModelFileError(f"{path / RECIPE_FILE}: model_config is missing or not an object")
+    raw = dict(raw)
     try:
-        raw.update(rope=_rope(raw["rope"]), rope_local=_rope(raw.get("rope_local")),
+        raw.update(rope=_rope(raw["rope"], True), rope_local=_rope(raw.get("rope_local"), False),
                    layer_types=tuple(raw["layer_types"]))
         return ModelConfig(**raw)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{path / RECIPE_FILE}: malformed model_config ({exc})") from None
 
 
 def quantized_layers(recipe: dict) -> dict[str, QuantScheme]:
-    """{param name: scheme} of the layers stored packed."""
-    return {name: QuantScheme(**layer["scheme"]) for name, layer in recipe.get("layers", {}).items()}
+    """{param name: scheme} of the layers stored packed; a malformed entry is a ModelFileError naming it."""
+    layers = recipe.get("layers", {})
+    if not isinstance(layers, dict):
+        raise ModelFileError(f"{RECIPE_FILE}: 'layers' is not an object")
+    schemes = {}
+    for name, layer in layers.items():
+        try:
+            fields = layer["scheme"]
+            if not isinstance(fields, dict) or type(fields.get("bits")) is not int or \
+                    type(fields.get("group_size")) not in (int, type(None)) or \
+                    type(fields.get("symmetric", False)) is not bool:
+                raise TypeError(f"scheme {fields!r} needs an integer 'bits', an integer or null 'group_size' and "
+                                f"a boolean 'symmetric'")
+            schemes[name] = QuantScheme(**fields)
+        except (KeyError, TypeError, ValueError, PaperbackError) as exc:
+            raise ModelFileError(f"{RECIPE_FILE}: layer '{name}' has a malformed scheme ({exc})") from None
+    return schemes
 
 
 def prepare_quantized_model(model: DecoderLM, recipe: dict) -> DecoderLM:

@@ -220,6 +220,14 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
         watcher.cancel()
         return results.result()
 
+    async def finished(request: Request, ids: list[str], queues: list[asyncio.Queue]):
+        """(final outputs, None), or (None, the response to send instead: the client left, or one failed)."""
+        outputs = await collect(request, ids, queues)
+        if outputs is None:
+            return None, Response(status_code=499)
+        failed = failure(outputs)
+        return (None, failed) if failed is not None else (outputs, None)
+
     def failure(items) -> Response | None:
         for item in items:
             if isinstance(item, PaperbackError):
@@ -317,11 +325,9 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
         if not body.stream:
-            outputs = await collect(request, ids, queues)
-            if outputs is None:
-                return Response(status_code=499)
-            if (failed := failure(outputs)) is not None:
-                return failed
+            outputs, instead = await finished(request, ids, queues)
+            if instead is not None:
+                return instead
             choices = [choice(i, o, c, True) for i, o in enumerate(outputs) for c in o.outputs]
             completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
             return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
@@ -378,11 +384,9 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
             return {"content": formatter.chat(completion.logprobs or [])} if body.logprobs else None
 
         if not body.stream:
-            outputs = await collect(request, ids, queues)
-            if outputs is None:
-                return Response(status_code=499)
-            if (failed := failure(outputs)) is not None:
-                return failed
+            outputs, instead = await finished(request, ids, queues)
+            if instead is not None:
+                return instead
             output = outputs[0]
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs_of(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
