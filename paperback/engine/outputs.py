@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paperback.engine.scheduler import Status
 from paperback.generation.sampling import SamplingParams
 from paperback.generation.structured import GrammarMatcher
 from paperback.generation.text_stream import TextStream
@@ -84,8 +85,6 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        from paperback.engine.scheduler import Status
-
         return all(s.status is Status.FINISHED for s in self.seqs)
 
     @property
@@ -129,4 +128,5 @@ class RequestState:
                 "total_s": max(ends) - first.arrival if ends and self.finished else None,
                 "queue_s": min(scheduled) - first.arrival if scheduled else None,
                 "preemptions": sum(s.preemptions for s in self.seqs),
-                "token_times": [list(s.token_times) for s in self.seqs]}
+                # every token's time, once at the end (copying them every step would grow with the output)
+                "token_times": [list(s.token_times) for s in self.seqs] if self.finished else []}

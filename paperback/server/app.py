@@ -146,8 +146,7 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
                                             "owned_by": "paperback", "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        engine.metrics.update(engine.stats())
+    async def metrics():  # the engine thread updates them after every step and while idle
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def wrong_model(name: str | None):
