@@ -31,12 +31,13 @@ class OneLayerCache:
         self.store = LayerStore(scheme, scheme.codecs(), shape, dtype, device)
 
     def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        observe = getattr(self.store.key_codec, "observe", None)
-        if observe is not None:
-            observe(q, k)
+        self.store.observe(q, k)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         return self.store.append(k, v, start_pos)
+
+    def exact_copy(self, layer_idx: int):
+        return self.store.exact
 
     def retention(self, layer_idx: int) -> tuple[int | None, int]:
         scheme = self.store.scheme

@@ -14,6 +14,7 @@ from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
+    from paperback.allocate.profile import HEAD_TOKENS
     from paperback.allocate.units import DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES
 
     p = sub.add_parser("profile", help="measure each weight unit's and KV layer's sensitivity (a profile for fit)",
@@ -38,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--weight-tokens", type=int, default=256,
                    help="leading tokens of each window the weight units are measured on (default 256)")
+    p.add_argument("--head-tokens", type=int, default=HEAD_TOKENS,
+                   help="positions the output head is measured on, all of them scored: its cost depends on which "
+                        f"tokens appear (default {HEAD_TOKENS})")
     p.add_argument("--span", type=float, default=0.5, help="leading fraction of the text to profile (default 0.5)")
     p.add_argument("--additivity-samples", type=int, default=24,
                    help="random mixed assignments measured against their summed prediction (default 24)")
@@ -72,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     config = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats), args.windows,
                            args.window_tokens, args.weight_tokens, span=args.span,
                            additivity_samples=args.additivity_samples, seed=args.seed, measure=args.measure,
-                           weight_anchor=args.weight_anchor, check_samples=args.check_samples)
+                           weight_anchor=args.weight_anchor, check_samples=args.check_samples,
+                           head_tokens=args.head_tokens)
     parse_weight_candidates(config.weight_schemes)  # bad names fail before the model loads
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")

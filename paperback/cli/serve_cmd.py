@@ -128,6 +128,30 @@ def read_chat_template(value: str) -> str:
     return text
 
 
+def capacity_lines(engine, kv_memory: int, prefix_caching: bool) -> list[str]:
+    """What the KV budget holds, as the engine laid it out, beside what fp16 KV would hold in it."""
+    from paperback.engine.pool_layout import pool_layout
+    from paperback.kv import build_policy
+
+    layout, config = engine.layout, engine.model.config
+    fp16 = pool_layout(config, build_policy(config, "fp16"), kv_memory, block_size=layout.block_size,
+                       max_num_seqs=layout.requested_num_seqs, max_step_tokens=layout.max_step_tokens,
+                       max_model_len=engine.max_model_len)
+    pools = " + ".join(f"{n:,}" + (f" (window {g.window})" if g.window else "")
+                       for g, n in zip(layout.groups, layout.num_blocks))
+    lines = [f"KV cache: {kv_memory / 2**20:,.0f} MiB hold {layout.tokens:,} tokens in {pools} blocks of "
+             f"{layout.block_size} ({engine.policy.label}; fp16 KV would hold {fp16.tokens:,})"]
+    if layout.stage_blocks:
+        capped = (f", capped from {layout.requested_num_seqs} to fit the budget"
+                  if layout.max_num_seqs < layout.requested_num_seqs else "")
+        lines.append(f"exact staging: {layout.stage_bytes / 2**20:,.1f} MiB in 16-bit for up to "
+                     f"{layout.max_num_seqs} running sequences{capped}")
+    if prefix_caching and not engine.prefix_caching:
+        lines.append("prefix caching is off for this KV format: its exact recent window or sinks live only in "
+                     "each sequence's staging, so a cached block cannot start another request")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -183,11 +207,10 @@ def run(args: argparse.Namespace) -> int:
         raise
     name = args.served_name or lm.source.label
     runner = AsyncEngine(engine, max_waiting=args.max_waiting, model_name=name)
-    pools = " + ".join(f"{m.num_blocks} ({len(g.layers)} layers" + (f", window {g.window})" if g.window else ")")
-                       for g, m in zip(engine.blocks.groups, engine.blocks.managers))
-    note(f"serving {name} on http://{args.host}:{args.port}/v1 (KV blocks of {engine.blocks.block_size} tokens: "
-         f"{pools}; up to {engine.max_model_len} tokens a request"
+    note(f"serving {name} on http://{args.host}:{args.port}/v1 (up to {engine.max_model_len} tokens a request"
          f"{'; API key required' if api_key else ''})")
+    for line in capacity_lines(engine, kv_memory, args.enable_prefix_caching):
+        note(line)
     app = create_app(runner, name, api_key=api_key, max_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:

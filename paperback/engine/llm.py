@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from dataclasses import replace
 
 import torch
 
-from paperback.engine.cache_groups import GroupedBlocks, cache_groups, split_blocks
+from paperback.engine.cache_groups import GroupedBlocks
 from paperback.engine.outputs import (CompletionOutput, CompletionState, RequestOutput, RequestState,  # noqa: F401
                                       TokenLogprob, token_logprob)
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
+from paperback.engine.pool_layout import pool_layout
 from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from paperback.errors import PaperbackError
 from paperback.generation.generate import check_fits
@@ -30,16 +30,6 @@ from paperback.generation.sampling import SamplingParams, apply_penalties, make_
 from paperback.generation.structured import GrammarMatcher
 from paperback.generation.text_stream import TextStream
 from paperback.kv.policy import KVPolicy, build_policy
-from paperback.kv.schemes import paged_block_size
-from paperback.memory import dtype_bytes
-
-
-def block_bytes(config, policy: KVPolicy, block_size: int, layers=None) -> int:
-    """Bytes one block takes in each of `layers` (default: all), in each layer's format (the same bits the
-    formats report)."""
-    elements = 2 * config.num_kv_heads * block_size * config.head_dim
-    layers = range(config.num_layers) if layers is None else layers
-    return sum(math.ceil(elements * policy.scheme_for(i).bits_per_element(config.head_dim) / 8) for i in layers)
 
 
 def default_kv_amax(lm) -> dict:
@@ -56,7 +46,10 @@ def default_kv_amax(lm) -> dict:
 class LLMEngine:
     """kv: a KV format for every layer (fp32, fp16, bf16, fp8, int8, int4, kivi2, ...; see paperback.kv),
     or a KVPolicy. The block size grows to a multiple of every format's token group (KIVI: 32).
-    Quantized formats also reserve exact staging blocks for each running sequence's recent window.
+    Quantized formats also reserve exact 16-bit staging for each running sequence's recent window; the
+    sequences that run at once are capped so that staging fits the budget (`paperback.engine.pool_layout`,
+    which sizes everything here). Where a quantized layer keeps an exact recent window or exact sinks,
+    blocks serve no prefix-cache hits (`PagedKVPool.shares_prefixes`).
 
     Layers that free blocks alike form a cache group with its own pool and block tables
     (`paperback.engine.cache_groups`): sliding-window layers and layers whose format evicts hold only
@@ -75,39 +68,23 @@ class LLMEngine:
         self.policy = policy
         if kv_amax is None and policy.needs_fp8_calibration(config.num_layers):
             kv_amax = default_kv_amax(lm)
-        schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
-        block_size = paged_block_size(schemes, block_size)
-        groups = cache_groups(config, schemes)
         self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         if self.max_model_len < 1:
             raise PaperbackError(f"max_model_len must be at least 1 token, got {self.max_model_len}")
         if self.max_model_len > config.max_position_embeddings:
             raise PaperbackError(f"max_model_len {self.max_model_len} exceeds the model's context of "
                                  f"{config.max_position_embeddings} tokens")
-        stage_blocks = 0
-        per_block = [block_bytes(config, policy, block_size, g.layers) for g in groups]
-        per_seq = PagedKVPool.stage_blocks_per_seq(block_size, schemes)
-        if per_seq:
-            # Exact blocks for the sinks and recent window of every running sequence (the scheduler counts a
-            # request's n forks before admitting it), plus the blocks one step's new tokens fill before they are
-            # encoded.
-            stage_blocks = scheduler.max_num_seqs * per_seq + -(-scheduler.max_step_tokens // block_size)
-        stage_bytes = stage_blocks * 2 * config.num_layers * config.num_kv_heads * config.head_dim * block_size \
-            * dtype_bytes(self.model.dtype)
-        if num_blocks is None:
-            if kv_memory is None:
-                raise PaperbackError("give the KV cache a memory budget (kv_memory) or a number of blocks")
-            pools = split_blocks(groups, per_block, kv_memory - stage_bytes, self.max_model_len, block_size,
-                                 scheduler.max_step_tokens)
-        else:
-            pools = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
-        if min(pools) < 1:
-            raise PaperbackError(f"a KV budget of {kv_memory} bytes holds no block of {sum(per_block)} bytes "
-                                 f"(after {stage_bytes} bytes of staging for the exact recent windows)")
+        self.layout = pool_layout(config, policy, kv_memory, num_blocks, block_size, scheduler.max_num_seqs,
+                                  scheduler.max_step_tokens, self.max_model_len)
+        # Fewer sequences run at once when their exact staging would not fit the budget otherwise.
+        scheduler = replace(scheduler, max_num_seqs=self.layout.max_num_seqs)
+        self.scheduler_config = scheduler
+        block_size = self.layout.block_size
+        self.pool = PagedKVPool(config, policy, self.layout, self.model.dtype, self.model.device, kv_amax)
+        self.prefix_caching = prefix_caching and self.pool.shares_prefixes
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
-        self.blocks = GroupedBlocks(groups, pools, block_size, prefix_caching, salt, scheduler.max_step_tokens)
-        self.pool = PagedKVPool(config, policy, pools, block_size, self.model.dtype, stage_blocks,
-                                self.model.device, kv_amax, groups)
+        self.blocks = GroupedBlocks(list(self.layout.groups), list(self.layout.num_blocks), block_size,
+                                    self.prefix_caching, salt, scheduler.max_step_tokens)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
                                    on_free=lambda seq: self.pool.release(seq.seq_id))

@@ -18,6 +18,7 @@ instead, a C kernel that reads the blocks in place.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,9 +26,37 @@ BlockReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """block ids (n,) -> keys, values (n, Hkv, block_size, D) in the compute dtype."""
 
 
+@dataclass(frozen=True)
+class ExactSplit:
+    """Blocks [lo, hi) that this step's last query reads as stored but earlier queries still read exact.
+
+    A query at p reads block b as stored only when b < stored_blocks[p] (the block is wholly older than p's
+    exact recent window), so what it reads depends on its position alone, not on where the step began.
+    `read_exact` gives the blocks' exact (staged) copies."""
+
+    lo: int
+    hi: int
+    read_exact: BlockReader
+    stored_blocks: torch.Tensor  # (T,) per query
+
+
+def _split_mask(visible, key_lo: int, key_hi: int, first_pos: int, seq_len: int, split: ExactSplit | None,
+                block_size: int, exact_side: bool, device):
+    """visible narrowed to the keys each query reads in this copy (stored or exact) of the split's blocks."""
+    lo_pos, hi_pos = split.lo * block_size, split.hi * block_size
+    if not exact_side and (key_hi <= lo_pos or key_lo >= hi_pos):
+        return visible
+    k_pos = torch.arange(key_lo, key_hi, device=device)[None, :]
+    stored_pos = (split.stored_blocks * block_size)[:, None]
+    reads = k_pos >= stored_pos if exact_side else (k_pos < stored_pos) | (k_pos >= hi_pos)
+    if visible is None:
+        visible = torch.ones((seq_len - first_pos, key_hi - key_lo), dtype=torch.bool, device=device)
+    return visible & reads
+
+
 def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torch.Tensor, seq_len: int,
                     block_size: int, scaling: float, window: int | None = None, sink: int = 0,
-                    blocks_per_step: int = 32) -> torch.Tensor:
+                    blocks_per_step: int = 32, split: ExactSplit | None = None) -> torch.Tensor:
     """q (H, T, D) at positions seq_len - T .. seq_len - 1; returns (H, T, D).
 
     Keys are at positions 0 .. seq_len - 1 in the blocks of `block_table`
@@ -62,21 +91,28 @@ def paged_attention(q: torch.Tensor, read_blocks: BlockReader, block_table: torc
     # fp32 it is as fast on this CPU.
     q32 = q.float()
     out = lse = None
-    for span_lo, span_start, span_end in spans:
-        for start in range(span_start, span_end, blocks_per_step):
-            ids = block_table[start:min(start + blocks_per_step, span_end)]
-            k, v = read_blocks(ids)  # (n, Hkv, bs, D)
-            kv_heads, base = k.shape[1], start * block_size
-            # Only written, possibly visible slots: the last block's others hold stale bytes, maybe NaN.
-            lo, hi = max(span_lo, base) - base, min(base + len(ids) * block_size, seq_len) - base
-            k = k.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
-            v = v.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
-            visible = _visibility(base + lo, base + hi, first_pos, seq_len, window, sink, q.device)
-            step_out, step_lse = _grouped_attention(q32, k, v, visible, scaling)
-            if out is None:
-                out, lse = step_out, step_lse
-            else:
-                out, lse = _merge_partial(out, lse, step_out, step_lse)
+    passes = [(spans, read_blocks, False)]
+    if split is not None and max(split.lo, lo_block) < split.hi:
+        passes.append(([(lo_pos, max(split.lo, lo_block), split.hi)], split.read_exact, True))
+    for pass_spans, reader, exact_side in passes:
+        for span_lo, span_start, span_end in pass_spans:
+            for start in range(span_start, span_end, blocks_per_step):
+                ids = block_table[start:min(start + blocks_per_step, span_end)]
+                k, v = reader(ids)  # (n, Hkv, bs, D)
+                kv_heads, base = k.shape[1], start * block_size
+                # Only written, possibly visible slots: the last block's others hold stale bytes, maybe NaN.
+                lo, hi = max(span_lo, base) - base, min(base + len(ids) * block_size, seq_len) - base
+                k = k.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+                v = v.transpose(0, 1).reshape(kv_heads, -1, dim)[:, lo:hi].float()
+                visible = _visibility(base + lo, base + hi, first_pos, seq_len, window, sink, q.device)
+                if split is not None:
+                    visible = _split_mask(visible, base + lo, base + hi, first_pos, seq_len, split, block_size,
+                                          exact_side, q.device)
+                step_out, step_lse = _grouped_attention(q32, k, v, visible, scaling)
+                if out is None:
+                    out, lse = step_out, step_lse
+                else:
+                    out, lse = _merge_partial(out, lse, step_out, step_lse)
     return out.to(q.dtype)
 
 

@@ -9,9 +9,16 @@
   (codes, scales, minimums: (num_blocks, Hkv, rows, width)), packed as the
   codec stores them. A block is encoded once, when all its tokens are older
   than the format's exact recent window; until then its tokens sit in a
-  small exact staging area (a few blocks per running sequence), so the
-  recent window and partly filled key groups stay exact, as in
+  small exact staging area in 16-bit (a few blocks per running sequence), so
+  the recent window and partly filled key groups stay exact, as in
   `paperback.kv.QuantizedKVCache`.
+
+What a query reads depends on its position alone: a query at p reads block b
+as stored only when b lies wholly outside p's exact recent window
+(`_Layer.stored_blocks`). A step that encodes blocks keeps their exact copies
+until the next step, and its queries that come before the end of those
+blocks' window read the copies (`ExactSplit`), so a prompt prefilled in one
+step, in chunks, or again after a preemption gives the same tokens.
 
 Retention: a quantized layer's sink blocks (`sink=`) stay in staging, exact,
 for the sequence's life. Layers are stored by cache group
@@ -39,18 +46,22 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
-from paperback.engine.cache_groups import CacheGroup, cache_groups
-from paperback.engine.paged_attention import decode_kernel_available, paged_attention, paged_decode_attention
+from paperback.engine.paged_attention import (ExactSplit, decode_kernel_available, paged_attention,
+                                              paged_decode_attention)
+from paperback.engine.pool_layout import PoolLayout
 from paperback.errors import PaperbackError
+from paperback.kv.cache import staging_dtype
 from paperback.kv.policy import KVPolicy
 from paperback.kv.families import NATIVE
 from paperback.models.config import ModelConfig
 
 
 class _Layer:
-    def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, group: int, num_blocks: int,
-                 block_size: int, stage_blocks: int, dtype: torch.dtype, device, amax=None):
+    def __init__(self, policy: KVPolicy, idx: int, config: ModelConfig, group: int, layout: PoolLayout,
+                 stage_dtype: torch.dtype, device, amax=None):
+        block_size, num_blocks = layout.block_size, layout.num_blocks[group]
         self.group = group  # the cache group whose block ids and table it uses
+        self.block_size = block_size
         self.scheme = policy.scheme_for(idx)
         self.native = self.scheme.is_native
         self.window = self.scheme.window or config.window_of(idx)  # what its attention reads
@@ -70,8 +81,16 @@ class _Layer:
                            for n, t in self.key_codec.field_shapes(probe).items()}
         self.value_fields = {n: torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device=device)
                              for n, t in self.value_codec.field_shapes(probe).items()}
-        self.stage_keys = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
-        self.stage_values = torch.zeros((stage_blocks, *shape), dtype=dtype, device=device)
+        self.stage_keys = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
+        self.stage_values = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
+        # PN-Mix ranks key channels on what a sequence shows before its first block is encoded: that many
+        # positions, whatever the steps were.
+        self.observe_until = (self.sink_blocks + 1) * block_size + self.scheme.residual
+
+    def stored_blocks(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per query position p, the leading blocks p reads as stored (encoded): those wholly older than p's
+        exact recent window, sinks aside. By position alone, never by where a step ended."""
+        return ((positions + 1 - self.scheme.residual).clamp(min=0) // self.block_size).clamp(min=self.sink_blocks)
 
     def tensors(self) -> list[torch.Tensor]:
         if self.native:
@@ -90,18 +109,20 @@ class _SeqState:
 
 
 class PagedKVPool:
-    def __init__(self, config: ModelConfig, policy: KVPolicy, num_blocks: int | list[int], block_size: int,
-                 dtype: torch.dtype, stage_blocks: int = 0, device: torch.device | str = "cpu",
-                 kv_amax: dict | None = None, groups: list[CacheGroup] | None = None):
-        """num_blocks: each cache group's pool (one number: the same for every group).
+    def __init__(self, config: ModelConfig, policy: KVPolicy, layout: PoolLayout, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", kv_amax: dict | None = None):
+        """layout: blocks per cache group, block size and staging (`paperback.engine.pool_layout`).
         kv_amax: {layer: (key amax, value amax)} from paperback.kv.calibrate, for calibrated FP8 layers."""
-        self.block_size = block_size
-        self.groups = groups or cache_groups(config, [policy.scheme_for(i) for i in range(config.num_layers)])
-        self.num_blocks = [num_blocks] * len(self.groups) if isinstance(num_blocks, int) else list(num_blocks)
+        self.layout = layout
+        self.block_size = block_size = layout.block_size
+        self.groups = list(layout.groups)
+        self.num_blocks = list(layout.num_blocks)
         self.device = torch.device(device)
+        self.dtype = dtype  # blocks are encoded from staging in the compute dtype, as the dense cache encodes
+        self.stage_dtype = staging_dtype(dtype)
         group_of = {i: g for g, group in enumerate(self.groups) for i in group.layers}
-        self.layers = [_Layer(policy, i, config, group_of[i], self.num_blocks[group_of[i]], block_size, stage_blocks,
-                              dtype, device, (kv_amax or {}).get(i)) for i in range(config.num_layers)]
+        self.layers = [_Layer(policy, i, config, group_of[i], layout, self.stage_dtype, device,
+                              (kv_amax or {}).get(i)) for i in range(config.num_layers)]
         for group in self.groups:
             for i in group.layers:
                 scheme = self.layers[i].scheme
@@ -117,22 +138,14 @@ class PagedKVPool:
         quantized = [layer.scheme for layer in self.layers if not layer.native]
         self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
         self.quantized = bool(quantized)
+        # A query reads the last r tokens before it exact; a prefix-cache hit holds them only encoded.
+        self.exact_recent = any(s.residual for s in quantized)
         for s in quantized:
             if block_size % s.flush_group:
                 raise ValueError(f"block size {block_size} is not a multiple of {s.label}'s group of "
                                  f"{s.flush_group} tokens")
-        self.stage_free = list(range(stage_blocks)) if self.quantized else []
+        self.stage_free = list(range(layout.stage_blocks)) if self.quantized else []
         self.seqs: dict[int, _SeqState] = {}
-
-    @staticmethod
-    def stage_blocks_per_seq(block_size: int, schemes) -> int:
-        """Staging a sequence can hold at once in these layers: their sinks, their recent window plus the block
-        being filled, plus one (none when every layer is native)."""
-        quantized = [s for s in schemes if not s.is_native]
-        if not quantized:
-            return 0
-        sink, residual = max(s.sink for s in quantized), max(s.residual for s in quantized)
-        return -(-sink // block_size) + -(-residual // block_size) + 2
 
     @property
     def nbytes(self) -> int:
@@ -167,12 +180,18 @@ class PagedKVPool:
         return self.stage_free.pop()
 
     def prepare(self, seq_id: int, first_pos: int, seq_len: int) -> None:
-        """Staging slots for the blocks that positions [first_pos, seq_len) will be written to."""
+        """Staging slots for the blocks that positions [first_pos, seq_len) will be written to (and back, for
+        blocks the last step encoded)."""
         if not self.quantized:
             return
         state = self.seqs[seq_id]
+        # Blocks every quantized layer has encoded were read exact by the last step's early queries, if at all;
+        # no later query reads them exact, so their slots go back now.
+        done = state.all_flushed
+        for b in [b for b in state.stage if self.stage_sink_blocks <= b < done]:
+            self.stage_free.append(state.stage.pop(b))
         for b in range(first_pos // self.block_size, -(-seq_len // self.block_size)):
-            if b >= state.all_flushed and b not in state.stage:
+            if b >= done and b not in state.stage:
                 state.stage[b] = self._take_stage()
 
     def copy_block(self, group: int, src: int, dst: int) -> None:
@@ -204,8 +223,9 @@ class PagedKVPool:
         layer.stage_keys[where, :, slots] = k.transpose(0, 1).to(layer.stage_keys.dtype)
         layer.stage_values[where, :, slots] = v.transpose(0, 1).to(layer.stage_values.dtype)
 
-    def reader(self, layer_idx: int, seq_id: int, table: torch.Tensor, dtype: torch.dtype):
-        """Logical block indices -> (keys, values) (n, Hkv, bs, D): encoded blocks decoded, staged ones as is."""
+    def reader(self, layer_idx: int, seq_id: int, table: torch.Tensor, dtype: torch.dtype, exact: bool = False):
+        """Logical block indices -> (keys, values) (n, Hkv, bs, D): encoded blocks decoded, staged ones as is.
+        exact: every block from staging (blocks this step encoded, for its queries that still read them exact)."""
         layer = self.layers[layer_idx]
         # index_select: a third of advanced indexing's time for these gathers.
         if layer.native:
@@ -228,6 +248,9 @@ class PagedKVPool:
             keys, values = layer.stage_keys.index_select(0, slots), layer.stage_values.index_select(0, slots)
             return keys.to(dtype), values.to(dtype)
 
+        if exact:
+            return read_staged
+
         def read(idx: torch.Tensor):
             # In block order: exact sinks, encoded blocks, then the staged recent blocks.
             parts = [(read_staged, idx < sinks), (read_encoded, (idx >= sinks) & (idx < flushed)),
@@ -239,42 +262,50 @@ class PagedKVPool:
 
         return read
 
-    def flush(self, layer_idx: int, seq_id: int, table: torch.Tensor, seq_len: int) -> None:
-        """Encode this layer's blocks of the sequence that are now wholly older than its recent window.
+    def flush(self, layer_idx: int, seq_id: int, table: torch.Tensor, seq_len: int) -> tuple[int, int]:
+        """Encode this layer's blocks of the sequence that the step's last query (at seq_len - 1) reads as
+        stored: those wholly older than its exact recent window. Returns [lo, hi), the blocks encoded now,
+        which the step's earlier queries may still read exact (their staging is kept until the next step).
 
         Called after the step's tokens are written and before attention reads,
-        as the dense quantized cache does, so both read the same bytes. A
-        staging slot is freed once every quantized layer has encoded its block.
+        as the dense quantized cache does, so both read the same bytes.
         """
         layer = self.layers[layer_idx]
         if layer.native:
-            return
+            return 0, 0
         state = self.seqs[seq_id]
         ready = max(0, seq_len - layer.scheme.residual) // self.block_size
-        for b in range(max(state.flushed[layer_idx], layer.sink_blocks), ready):
+        lo = max(state.flushed[layer_idx], layer.sink_blocks)
+        for b in range(lo, ready):
             slot = state.stage[b]
             for codec, stage, fields in ((layer.key_codec, layer.stage_keys, layer.key_fields),
                                          (layer.value_codec, layer.stage_values, layer.value_fields)):
-                for name, t in codec.encode(stage[slot:slot + 1]).items():
+                for name, t in codec.encode(stage[slot:slot + 1].to(self.dtype)).items():
                     fields[name][table[b]] = t[0]
         state.flushed[layer_idx] = max(state.flushed[layer_idx], ready)
-        done = state.all_flushed
-        for b in [b for b in state.stage if self.stage_sink_blocks <= b < done]:
-            self.stage_free.append(state.stage.pop(b))
+        return lo, max(lo, ready)
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a block can serve a prefix-cache hit. Not where a quantized layer keeps exact sinks (they live
+        in each sequence's staging) or an exact recent window: the first query after a cached prefix reads
+        the prefix's last r tokens exact, and the shared blocks hold them only encoded."""
+        return not (self.stage_sink_blocks or self.exact_recent)
 
     def final_blocks(self, seq_id: int, computed: int) -> int:
-        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share).
-        None while a quantized layer holds exact sinks: those live in the sequence's own staging, so no block
-        holds all of its bytes."""
-        if self.stage_sink_blocks:
+        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share); none
+        where blocks cannot serve a hit (`shares_prefixes`)."""
+        if not self.shares_prefixes:
             return 0
         full = computed // self.block_size
         return min(full, self.seqs[seq_id].all_flushed) if self.quantized else full
 
-    def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    def observe(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, first_pos: int) -> None:
+        """q (1, H, T, D), k (1, Hkv, T, D) of positions first_pos.. : the part before `observe_until`."""
         layer = self.layers[layer_idx]
-        if not layer.native:
-            layer.key_codec.observe(q, k)
+        if not layer.native and first_pos < layer.observe_until:
+            n = layer.observe_until - first_pos
+            layer.key_codec.observe(q[:, :, :n], k[:, :, :n])
 
 
 @dataclass(frozen=True)
@@ -347,9 +378,18 @@ class StepBatch:
             if i in skip:
                 continue
             table = s.block_tables[layer.group]
-            self.pool.observe(layer_idx, q[:, :, part], k[:, :, part])
+            first_pos = s.seq_len - s.num_new
+            self.pool.observe(layer_idx, q[:, :, part], k[:, :, part], first_pos)
             self.pool.write(layer_idx, s.seq_id, table, self.positions[part], k[0, :, part], v[0, :, part])
-            self.pool.flush(layer_idx, s.seq_id, table, s.seq_len)
+            lo, hi = self.pool.flush(layer_idx, s.seq_id, table, s.seq_len)
             read = self.pool.reader(layer_idx, s.seq_id, table, q.dtype)
-            out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window, sink)
+            split = None
+            if hi > lo:  # blocks encoded now: the step's queries before the last may still read them exact
+                stored = layer.stored_blocks(self.positions[part])
+                lo = max(lo, int(stored[0]))
+                if lo < hi:
+                    split = ExactSplit(lo, hi, self.pool.reader(layer_idx, s.seq_id, table, q.dtype, exact=True),
+                                       stored)
+            out[0, :, part] = paged_attention(q[0, :, part], read, logical, s.seq_len, bs, scaling, window, sink,
+                                              split=split)
         return out

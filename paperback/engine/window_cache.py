@@ -8,14 +8,14 @@ attention that `paperback serve` decodes with, instead of the dense
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from paperback.engine.block_manager import BlockManager
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
+from paperback.engine.pool_layout import layer_schemes, pool_layout
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
+from paperback.kv.schemes import paged_block_size
 
 SEQ_ID = 0
 
@@ -25,16 +25,14 @@ class PagedWindowCache:
 
     def __init__(self, model, policy: KVPolicy, max_len: int, chunk: int, kv_amax: dict | None = None,
                  block_size: int = 16):
-        config = model.config
-        schemes = [policy.scheme_for(i) for i in range(config.num_layers)]
-        block_size = math.lcm(block_size, *(s.flush_group for s in schemes))
-        # As the engine sizes it for one running sequence: its sinks and recent window plus one step's new tokens.
-        per_seq = PagedKVPool.stage_blocks_per_seq(block_size, schemes)
-        stage = per_seq + -(-chunk // block_size) if per_seq else 0
-        self.blocks = BlockManager(-(-max_len // block_size), block_size, prefix_caching=False)
+        block_size = paged_block_size(layer_schemes(model.config, policy), block_size)
+        num_blocks = -(-max_len // block_size)
+        # Sized as the engine sizes it for one running sequence: its sinks, its recent window and one step.
+        self.layout = pool_layout(model.config, policy, num_blocks=num_blocks, block_size=block_size,
+                                  max_num_seqs=1, max_step_tokens=chunk)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         self.blocks.allocate(SEQ_ID, [0] * max_len)
-        self.pool = PagedKVPool(config, policy, self.blocks.num_blocks, block_size, model.dtype, stage,
-                                model.device, kv_amax)
+        self.pool = PagedKVPool(model.config, policy, self.layout, model.dtype, model.device, kv_amax)
         self.pool.start(SEQ_ID, 0)
         # Every cache group's pool has the window's blocks: one table serves them all (nothing is evicted).
         table = torch.tensor(self.blocks.table(SEQ_ID), device=model.device)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paperback.errors import PaperbackError
-from paperback.kv.schemes import KVScheme, parse_kv_scheme
+from paperback.kv.schemes import KVScheme, paged_block_size, parse_kv_scheme
 from paperback.models.config import ModelConfig
 
 POLICY_KEYS = {"default", "layers", "skip_layers", "skip_dtype"}
@@ -53,8 +53,10 @@ class KVPolicy:
         Counts each layer's recent window at `recent_bits` (what a served
         fp16/bf16 model holds it in); per-layer FP8 scales are left out.
         """
-        return sum(self.scheme_for(i).stored_bits(tokens, config.head_dim, recent_bits)
-                   for i in range(config.num_layers)) / (tokens * config.num_layers)
+        schemes = [self.scheme_for(i) for i in range(config.num_layers)]
+        unit = paged_block_size(schemes)  # every layer encodes a pool block at a time, as served
+        return sum(s.stored_bits(tokens, config.head_dim, recent_bits, unit)
+                   for s in schemes) / (tokens * config.num_layers)
 
     def to_dict(self, num_layers: int) -> dict:
         return {"default": self.default.to_dict(),

@@ -123,18 +123,20 @@ class KVScheme:
         key, value = self.codecs()
         return (key.bits_per_element(head_dim) + value.bits_per_element(head_dim)) / 2
 
-    def stored_bits(self, tokens: int, head_dim: int, recent_bits: int = 16) -> float:
+    def stored_bits(self, tokens: int, head_dim: int, recent_bits: int = 16, unit: int | None = None) -> float:
         """Total bits of one cached channel (keys and values averaged) over `tokens` tokens.
 
         Sinks stay at `recent_bits` (a served fp16/bf16 model's dtype); after
-        them, tokens older than the recent window are encoded in whole flush
-        groups, the rest held at `recent_bits`. With a window, only the tokens
+        them, tokens older than the recent window are encoded a `unit` at a
+        time (the paged engine's block; by default the smallest this format
+        fits), the rest held at `recent_bits`. With a window, only the tokens
         the next query can read are counted (`kept_tokens`).
         """
         if self.is_native:
             return self.kept_tokens(tokens) * self.bits_per_element(head_dim)
-        sinks = min(tokens, self.sink)
-        encoded = max(0, (tokens - sinks - self.residual) // self.flush_group * self.flush_group)
+        unit = unit or paged_block_size([self])
+        sinks = min(tokens, -(-self.sink // unit) * unit)
+        encoded = max(0, (tokens - self.residual) // unit * unit - sinks)
         tail = tokens - sinks - encoded  # the newest tokens, not yet encoded
         if self.window:
             kept = self.kept_tokens(tokens) - sinks

@@ -25,7 +25,8 @@ class KVCache(Protocol):
     entirely with `attention(layer_idx, q, k, v, scaling, window) -> out`
     (the paged engine's step batch: several sequences packed in one row),
     and `retention(layer_idx) -> (window, sink)` when it evicts old tokens
-    (window None: it keeps them all).
+    (window None: it keeps them all), and `exact_copy(layer_idx) -> ExactCopy | None`
+    when the last update encoded keys that some of its queries still read exact.
     """
 
     def update(
@@ -99,7 +100,9 @@ class Attention(nn.Module):
         if retention is not None:
             kept, sink = retention(self.layer_idx)
             window = kept or window  # a policy never puts a retention window on a sliding-window layer
-        out = attend(q, k, v, start_pos, self.scaling, window, sink)  # (B, H, T, D)
+        exact_copy = getattr(kv_cache, "exact_copy", None)
+        exact = exact_copy(self.layer_idx) if exact_copy is not None else None
+        out = attend(q, k, v, start_pos, self.scaling, window, sink, exact)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

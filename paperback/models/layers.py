@@ -7,6 +7,7 @@ H query heads, Hkv key/value heads, D head dim, C hidden size.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class ExactCopy:
+    """Keys and values [lo, hi) (B, Hkv, hi - lo, D) as they were before a quantized cache encoded them.
+
+    A query at p reads key j < stored_until[p] as stored and the others exact, by its position alone: the
+    queries of one chunk that precede the end of a key's exact recent window still read that key exact."""
+
+    lo: int
+    hi: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    stored_until: torch.Tensor  # (T,) per query
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,6 +106,7 @@ def attend(
     scaling: float,
     window: int | None,
     sink: int = 0,
+    exact: ExactCopy | None = None,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of new queries over all keys.
 
@@ -98,6 +114,7 @@ def attend(
     k, v: (B, Hkv, S, D) at positions 0 .. S - 1, with S = start_pos + T.
     With a window, a query at p reads keys in (p - window, p] and, with
     `sink`, also the first `sink` keys (StreamingLLM's attention sinks).
+    exact: keys some queries read exact where k holds them as stored.
     Returns (B, H, T, D).
     """
     num_new = q.shape[2]
@@ -113,16 +130,27 @@ def attend(
         v = torch.cat((v[:, :, :head], v[:, :, first_key:]), dim=2) if head else v[:, :, first_key:]
     num_keys = k.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if num_new == 1 and (window is None or num_keys <= window + head):
-        return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
-    if first_key == 0 and start_pos == 0 and (window is None or num_new <= window):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if exact is None:
+        if num_new == 1 and (window is None or num_keys <= window + head):
+            return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+        if first_key == 0 and start_pos == 0 and (window is None or num_new <= window):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     q_pos = torch.arange(start_pos, start_pos + num_new, device=q.device)[:, None]
     k_pos = torch.cat((torch.arange(head, device=q.device),
                        torch.arange(first_key, first_key + num_keys - head, device=q.device)))[None, :]
+    if exact is not None:
+        stored = exact.stored_until.to(q.device)[:, None]
+        copy_pos = torch.arange(exact.lo, exact.hi, device=q.device)[None, :]
+        reads_stored = (k_pos < stored) | (k_pos >= exact.hi)
+        k_pos = torch.cat((k_pos, copy_pos), dim=1)
+        reads = torch.cat((reads_stored, copy_pos >= stored), dim=1)
+        k = torch.cat((k, exact.keys.to(k.dtype)), dim=2)
+        v = torch.cat((v, exact.values.to(v.dtype)), dim=2)
     mask = k_pos <= q_pos
     if window is not None:
         mask &= (k_pos > q_pos - window) | (k_pos < sink)
+    if exact is not None:
+        mask &= reads
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 

@@ -126,6 +126,42 @@ def test_anchored_cells_are_the_anchor_factor_times_their_block_error(tiny_lm, c
     assert {p["kind"] for p in est["check"]["points"]} == {"weights", "retention", "evict"}
 
 
+def test_the_head_is_measured_on_head_tokens_positions_with_the_whole_model(tiny_lm, char_tokenizer, tmp_path):
+    """The head's cost depends on which tokens appear: it is priced on many more positions than a block
+    unit, and with the whole model, since a tied head is also the embedding every block reads."""
+    profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
+    data = profiler.run()
+    head_windows = profiler.text.head_windows
+    assert head_windows.shape == (11, 128)  # 1,500 profiled tokens: as many whole windows as fit
+    assert data["weights"]["head_tokens"] == head_windows.numel()
+    probe = ReferenceProbe(tiny_lm.model, head_windows)
+    for label in ("W8s-ch", "W2a-g64"):
+        with swapped_weights(tiny_lm.model, profiler.unit_weights(next(u for u in profiler.units
+                                                                        if u.name == "head"), label)):
+            assert data["weights"]["kl"]["head"][label] == pytest.approx(probe.kl_full(), rel=1e-5)
+    assert "head_tokens" not in data["config"]  # the default keeps earlier profiles' keys
+    assert "head_tokens" in replace(CONFIG, head_tokens=1024).to_dict()
+    with pytest.raises(PaperbackError, match="head tokens"):
+        replace(CONFIG, head_tokens=64)
+
+
+def test_a_profile_from_before_the_head_was_measured_so_is_upgraded(tiny_lm, char_tokenizer, tmp_path):
+    """Its head is measured again and its additivity predictions summed again; nothing else is remeasured."""
+    profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
+    data = profiler.run()
+    old = json.loads(json.dumps(data))
+    del old["weights"]["head_tokens"]
+    old["weights"]["kl"]["head"] = {label: 9.0 for label in old["weights"]["kl"]["head"]}
+    profiler.complete_path.write_text(json.dumps(old))
+    again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
+    again._weights = again._kv = None  # nothing but the head may run
+    upgraded = again.run()
+    assert upgraded["weights"]["kl"] == data["weights"]["kl"] and upgraded["kv"] == data["kv"]
+    assert upgraded["additivity"]["points"] == data["additivity"]["points"]
+    assert upgraded["additivity"]["pearson"] == pytest.approx(data["additivity"]["pearson"])
+    assert json.loads(profiler.complete_path.read_text())["weights"]["head_tokens"] == 11 * 128
+
+
 def test_a_weight_anchor_that_is_not_a_candidate_is_refused(tiny_lm, char_tokenizer, tmp_path):
     with pytest.raises(PaperbackError, match="weight anchor W4a-g128 is not a candidate"):
         Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", replace(CONFIG, weight_anchor="W4a-g128"),

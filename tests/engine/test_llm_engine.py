@@ -279,7 +279,7 @@ def test_a_window_in_every_layer_bounds_the_blocks_a_sequence_holds(tiny32):
     {"1": "fp16:window=64,sink=16"}, {"1": "kivi2:r=32,sink=32,window=96"},  # per-layer eviction
 ])
 def test_the_planner_counts_the_blocks_an_evicting_sequence_holds(tiny32, layers):
-    from paperback.engine.llm import block_bytes
+    from paperback.engine.pool_layout import block_bytes
     from paperback.kv import build_policy
     from paperback.plan.arithmetic import kv_bytes
     from paperback.plan.shape import shape_from_config
@@ -290,7 +290,7 @@ def test_the_planner_counts_the_blocks_an_evicting_sequence_holds(tiny32, layers
     while engine.scheduler.running == [] or engine.scheduler.running[0].num_computed < 300:
         engine.step()
     bs = engine.blocks.block_size
-    held = sum(m.num_used * block_bytes(tiny32.config, policy, bs, g.layers)
+    held = sum(m.num_used * sum(block_bytes(tiny32.config, policy.scheme_for(i), bs) for i in g.layers)
                for g, m in zip(engine.blocks.groups, engine.blocks.managers))
     shape = shape_from_config(tiny32.config, "tiny", "")
     staged = kv_bytes(shape, 300, policy, block_size=bs) - held  # the planner's exact staging, if any

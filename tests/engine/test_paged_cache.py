@@ -6,6 +6,7 @@ import torch
 from helpers import tiny_hf, tiny_llama_hf
 from paperback.engine import BlockManager
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
+from paperback.engine.pool_layout import pool_layout
 from paperback.kv import build_policy
 from paperback.loading import load_model
 
@@ -21,7 +22,9 @@ def test_packed_prefill_and_decode_match_each_sequence_alone(tmp_path, kind):
     torch.manual_seed(0)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 13, 22)]
     bm = BlockManager(32, block_size=4, prefix_caching=False)
-    pool = PagedKVPool(model.config, build_policy(model.config, "fp32"), 32, 4, torch.float32)
+    policy = build_policy(model.config, "fp32")
+    pool = PagedKVPool(model.config, policy, pool_layout(model.config, policy, num_blocks=32, block_size=4),
+                       torch.float32)
     tokens = {i: list(p) for i, p in enumerate(prompts)}
     for i, p in enumerate(prompts):
         bm.allocate(i, p)

@@ -9,7 +9,7 @@ from helpers import tiny_hf, tiny_llama_hf
 from paperback.errors import ContextLengthError, PaperbackError
 from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.kv import QuantizedKVCache, build_policy, calibrate_kv_amax, parse_kv_scheme
-from paperback.kv.cache import RECENT_BITS
+from paperback.kv.cache import STAGE_BITS
 from paperback.kv.codecs import fields_bytes
 from paperback.loading import load_model
 
@@ -52,7 +52,7 @@ def test_view_equals_decoding_what_is_stored(tiny_llama, spec):
             tiny_llama(ids[:, lo:hi], lo, cache)
     for store in cache.layers:
         assert store.length == 230
-        r, g = store.scheme.residual, store.flush_group
+        r, g = store.scheme.residual, store.unit  # encoded a pool block at a time, as the engine does
         assert store.encoded == max(0, (230 - r) // g * g)
         assert 230 - store.encoded >= r
         for values, codec, view in ((False, store.key_codec, store.keys), (True, store.value_codec, store.values)):
@@ -72,7 +72,7 @@ def test_bytes_match_the_schemes_bits(tiny_llama):
     assert store.encoded == 160  # 288 - 128 recent
     encoded_bytes = sum(fields_bytes(f) for f in store.key_chunks + store.value_chunks)
     assert 8 * encoded_bytes == pytest.approx(elements_encoded * scheme.bits_per_element(cfg.head_dim))
-    assert store.nbytes() == encoded_bytes + recent * RECENT_BITS // 8
+    assert store.nbytes() == encoded_bytes + recent * STAGE_BITS // 8
     assert cache.nbytes() == cfg.num_layers * store.nbytes()
 
 
@@ -236,6 +236,7 @@ def test_a_retention_window_on_a_sliding_layer_is_refused(tmp_path):
 def test_a_new_family_is_one_registry_entry(tiny_llama, monkeypatch):
     """A format added to paperback.kv.families alone is parsed, stored, served in pages and counted."""
     from paperback.engine.paged_cache import PagedKVPool
+    from paperback.engine.pool_layout import pool_layout
     from paperback.kv import families
     from paperback.kv.codecs import TokenIntCodec
 
@@ -249,7 +250,8 @@ def test_a_new_family_is_one_registry_entry(tiny_llama, monkeypatch):
     with torch.no_grad():
         tiny_llama(torch.randint(0, 256, (1, 80)), 0, cache)
     assert policy.bits_at(tiny_llama.config, 80) == pytest.approx(cache.bits_per_element())
-    pool = PagedKVPool(tiny_llama.config, policy, 4, 16, torch.float32, stage_blocks=2)
+    pool = PagedKVPool(tiny_llama.config, policy, pool_layout(tiny_llama.config, policy, num_blocks=4, max_num_seqs=1),
+                       torch.float32)
     encoded = TokenIntCodec(3, 16).encode(torch.zeros(1, tiny_llama.config.num_kv_heads, 16, 32))
     assert {n: t.shape[1:] for n, t in pool.layers[0].key_fields.items()} == {
         n: t.shape[1:] for n, t in encoded.items()}
