@@ -306,7 +306,9 @@ def capacity(args) -> dict:
 
     def fits(kv: str, seqs: int, tokens: int) -> bool:
         engine = engine_for(kv, seqs)
-        ok = engine is not None and engine.blocks.num_blocks >= seqs * engine.blocks.blocks_needed(tokens)
+        # As many may run at once as the exact staging allows (the engine caps them to fit the budget).
+        ok = engine is not None and engine.layout.max_num_seqs >= seqs and \
+            engine.blocks.num_blocks >= seqs * engine.blocks.blocks_needed(tokens)
         del engine
         gc.collect()  # the engine's callbacks make a reference cycle: free its pool before the next one
         return ok

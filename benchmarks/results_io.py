@@ -46,6 +46,7 @@ def warn_if_busy(own_threads: int = 0) -> float:
 
     load = os.getloadavg()[0]
     if load > own_threads + 0.5:
-        print(f"warning: load average {load:.2f} on {os.cpu_count()} cores (this benchmark: {own_threads} "
-              "threads); other work is running and the timings are disturbed", file=sys.stderr)
+        mine = f"this benchmark keeps {own_threads} busy" if own_threads else "before this benchmark starts"
+        print(f"warning: load average {load:.2f} on {os.cpu_count()} cores ({mine}); other work is running and "
+              "the timings are disturbed", file=sys.stderr)
     return load

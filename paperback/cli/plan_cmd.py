@@ -28,6 +28,9 @@ def register(sub) -> None:
                    help="layers every KV format keeps at fp16: indices, ranges (0-3), global or sliding")
     p.add_argument("--kv-policy", default=None,
                    help="a per-layer KV policy JSON file (as eval and serve take), planned as one more KV row")
+    p.add_argument("--kv-memory", default=None,
+                   help="also show what a KV pool of this size holds per KV format, laid out as `paperback serve "
+                        "--kv-memory` lays it out (its defaults: blocks of 16, 32 sequences, 512-token steps)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk the activation allowance is sized for")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of memory against context per scheme")
     add_json_arg(p)
@@ -63,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
         policies["this checkpoint's KV policy"] = build_policy(shape, spec=fitted)
         kv_labels = ("this checkpoint's KV policy",) + kv_labels
     report = plan(shape, memory, args.context, args.users, weights, kv_labels, args.chunk, known, policies)
+    if args.kv_memory:
+        from paperback.plan.planner import kv_capacity
+
+        report["kv_capacity"] = {"kv_memory": parse_bytes(args.kv_memory),
+                                 "rows": kv_capacity(shape, kv_labels, parse_bytes(args.kv_memory), policies)}
     if args.plot:
         write_plot(shape, report, args.plot, policies)
     if args.json:
@@ -83,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
                 ["weights", "KV", "KiB/token", "KV 4k GiB", "KV 32k GiB", f"KV x{args.users} GiB", "weights GiB",
                  "total GiB", "headroom", "fits", f"max ctx ({args.users} users)", f"max users ({args.context})"],
                 rows)
+    if "kv_capacity" in report:
+        capacity = report["kv_capacity"]
+        print_table(f"a KV pool of {capacity['kv_memory'] / 2**20:,.0f} MiB, as `paperback serve` lays it out",
+                    ["KV", "tokens held", "blocks", "block size", "running sequences", "exact staging MiB"],
+                    [[r["kv"], f"{r['tokens']:,}", f"{sum(r['num_blocks']):,}", r["block_size"], r["max_num_seqs"],
+                      f"{r['stage_bytes'] / 2**20:.1f}"] for r in capacity["rows"]])
     verdict = report["verdict"]
     if "warning" in verdict:
         note(f"warning: {verdict['warning']}")

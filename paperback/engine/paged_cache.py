@@ -151,7 +151,8 @@ class PagedKVPool:
     def nbytes(self) -> int:
         """Bytes of the block pool plus the exact staging area."""
         staging = [t for layer in self.layers if not layer.native for t in (layer.stage_keys, layer.stage_values)]
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors() + staging)
+        blocks = [t for layer in self.layers for t in layer.tensors()]
+        return sum(t.numel() * t.element_size() for t in blocks + staging)
 
     # --- sequences ----------------------------------------------------------------------------------------
     def start(self, seq_id: int, cached_blocks: int) -> None:

@@ -168,6 +168,25 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
             "flags": hand_off_flags(chosen, context, users, memory)}
 
 
+def kv_capacity(shape: ModelShape, kv_formats, kv_memory: int, kv_policies: dict[str, KVPolicy] | None = None,
+                max_model_len: int | None = None, block_size: int = 16, max_num_seqs: int = 32,
+                max_step_tokens: int = 512) -> list[dict]:
+    """Per KV format, what a pool of `kv_memory` bytes holds as the paged engine lays it out
+    (`paperback.engine.pool_layout`, the same function the engine sizes its pool with): tokens, blocks,
+    the running sequences its exact staging allows, and that staging's bytes. The defaults are
+    `paperback serve`'s."""
+    from paperback.engine.pool_layout import pool_layout
+    from paperback.kv.policy import build_policy
+
+    rows = []
+    for label in kv_formats:
+        kv = (kv_policies or {}).get(label) or build_policy(shape, label)
+        layout = pool_layout(shape, kv, kv_memory, block_size=block_size, max_num_seqs=max_num_seqs,
+                             max_step_tokens=max_step_tokens, max_model_len=max_model_len)
+        rows.append({"kv": label, **layout.to_dict()})
+    return rows
+
+
 def hand_off_flags(row: dict, context: int, users: int, memory: int) -> dict:
     """The same plan as vLLM and llama.cpp command-line settings."""
     weights, kv = row["weights"], row["kv"]
