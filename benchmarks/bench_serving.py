@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from paperback.memory import kv_bytes_per_token
+from paperback.memory import dense_kv_bytes_per_token
 from results_io import RESULTS, run_worker, warn_if_busy, write_results
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
@@ -213,7 +213,7 @@ TOOL_NAMES = {"paged": "paperback paged", "transformers": "transformers static b
 def throughput(args, work, config, previous: dict | None) -> dict:
     """Both tools' rows; a tool left out of --tools keeps its row from the previous run of the same workload."""
     kept = {r["tool"]: r for r in (previous or {}).get("rows", [])}
-    budget_tokens = args.kv_memory_mib * 2 ** 20 // kv_bytes_per_token(config, torch.float32)
+    budget_tokens = args.kv_memory_mib * 2 ** 20 // dense_kv_bytes_per_token(config, torch.float32)
     rows = []
     for tool in ("paged", "transformers"):
         if tool not in args.tools:

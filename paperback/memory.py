@@ -19,8 +19,9 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of keys plus values one token adds to a dense cache, summed over layers."""
+def dense_kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys plus values one token adds to a dense cache in the model's dtype, summed over layers (the
+    paged pool's bytes per format: paperback.engine.pool_layout)."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
 
 

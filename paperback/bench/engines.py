@@ -173,7 +173,7 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
 
 
 def _model_facts(lm, cfg: BenchConfig) -> dict:
-    from paperback.memory import (kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
+    from paperback.memory import (dense_kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
                                   weight_bytes_read_per_step)
 
     return {
@@ -182,7 +182,7 @@ def _model_facts(lm, cfg: BenchConfig) -> dict:
         "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
         "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
-        "kv_bytes_per_token": kv_bytes_per_token(lm.config, lm.dtype),
+        "kv_bytes_per_token": dense_kv_bytes_per_token(lm.config, lm.dtype),
         # cache bytes one decode step reads at the mean decode context (sliding windows capped)
         "decode_context": decode_context(cfg),
         "kv_bytes_read_per_step": kv_bytes_read_per_step(lm.config, lm.dtype, decode_context(cfg)),

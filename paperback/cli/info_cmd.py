@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
-    from paperback.memory import kv_bytes_per_token, module_bytes, parameter_count
+    from paperback.memory import dense_kv_bytes_per_token, module_bytes, parameter_count
 
     lm = load_model(args.model, args.dtype)
     cfg = lm.config
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         "source": str(lm.source.path),
         "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, lm.dtype),
+        "kv_bytes_per_token": dense_kv_bytes_per_token(cfg, lm.dtype),
         "chat_template": lm.tokenizer.chat_template is not None,
         "config": cfg.to_dict(),
         "quantization": _quantization(lm),

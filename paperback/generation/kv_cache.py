@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from paperback.errors import ContextLengthError
-from paperback.memory import kv_bytes_per_token
+from paperback.memory import dense_kv_bytes_per_token
 from paperback.models.config import ModelConfig
 
 
@@ -17,7 +17,7 @@ class ContiguousKVCache:
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu"):
         self.max_len = max_len
-        self.nbytes = kv_bytes_per_token(config, dtype) * batch_size * max_len
+        self.nbytes = dense_kv_bytes_per_token(config, dtype) * batch_size * max_len
         shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -6,7 +6,7 @@ from paperback.bench.engines import BenchConfig
 from paperback.bench.report import bench_rows, run_bench
 from paperback.bench.roofline import DecodeRoofline, decode_roofline, measure_read_bandwidth
 from paperback.errors import PaperbackError
-from paperback.memory import kv_bytes_per_token, kv_bytes_read_per_step, weight_bytes_read_per_step
+from paperback.memory import dense_kv_bytes_per_token, kv_bytes_read_per_step, weight_bytes_read_per_step
 
 
 def test_roofline_arithmetic():
@@ -20,7 +20,7 @@ def test_bytes_per_token_of_the_bundled_models(smollm2, gemma3):
     import torch
 
     # SmolLM2: 2 (K and V) x 30 layers x 3 KV heads x 64 dims x 4 bytes
-    assert kv_bytes_per_token(smollm2.config, torch.float32) == 2 * 30 * 3 * 64 * 4
+    assert dense_kv_bytes_per_token(smollm2.config, torch.float32) == 2 * 30 * 3 * 64 * 4
     # Gemma 3: sliding layers stop growing at the 512-token window
     per_layer = 2 * 1 * 256 * 4
     assert kv_bytes_read_per_step(gemma3.config, torch.float32, 4096) == per_layer * (15 * 512 + 3 * 4096)

@@ -56,7 +56,7 @@ def test_kv_formats_count_their_scales():
 
 
 def test_plan_matches_the_bundled_models(smollm2):
-    from paperback.memory import kv_bytes_per_token as engine_kv_bytes
+    from paperback.memory import dense_kv_bytes_per_token as engine_kv_bytes
 
     import torch
 

@@ -128,3 +128,23 @@ def test_policy_naming_missing_layers_is_refused(capsys):
     assert "has 32 layers" in capsys.readouterr().err
     assert main(["plan", "llama-2-7b", "--memory", "8GiB", "--kv-skip-layers", "global"]) == 2
     assert "no sliding-window layers" in capsys.readouterr().err
+
+
+def test_kv_memory_shows_what_the_pool_holds_as_served(capsys):
+    """The same layout the engine sizes its pool with (tests/engine/test_pool_layout.py checks them equal)."""
+    from paperback.engine.pool_layout import pool_layout
+    from paperback.kv import build_policy
+    from paperback.plan.shape import load_shape
+
+    report = run_json(capsys, "smollm2", "--memory", "4GiB", "--kv-memory", "256MiB", "--kv", "fp16", "int8",
+                      "kivi2", "--kv-skip-layers", "0-1")
+    capacity = report["kv_capacity"]
+    assert capacity["kv_memory"] == 256 * 2 ** 20
+    shape = load_shape("smollm2")
+    tokens = {r["kv"]: r["tokens"] for r in capacity["rows"]}
+    for kv in ("fp16", "int8", "kivi2"):
+        layout = pool_layout(shape, build_policy(shape, kv, "0-1"), 256 * 2 ** 20)
+        assert tokens[f"{kv} (fp16 at 0-1)"] == layout.tokens
+    assert tokens["fp16 (fp16 at 0-1)"] < tokens["int8 (fp16 at 0-1)"] < tokens["kivi2 (fp16 at 0-1)"]
+    assert main(["plan", "smollm2", "--memory", "4GiB", "--kv-memory", "256MiB"]) == 0
+    assert "as `paperback serve` lays it out" in capsys.readouterr().out
