@@ -167,6 +167,7 @@ class PagedKVPool:
     def fork(self, parent: int, child: int) -> None:
         """The child gets its own copies of the parent's staged (unencoded) blocks."""
         src = self.seqs[parent]
+        self._free_encoded(src)  # between steps: what the last step encoded is read exact no more
         dst = self.seqs[child] = _SeqState(flushed=dict(src.flushed))
         for b, slot in src.stage.items():
             dst.stage[b] = new = self._take_stage()
@@ -186,14 +187,17 @@ class PagedKVPool:
         if not self.quantized:
             return
         state = self.seqs[seq_id]
-        # Blocks every quantized layer has encoded were read exact by the last step's early queries, if at all;
-        # no later query reads them exact, so their slots go back now.
+        self._free_encoded(state)
+        for b in range(first_pos // self.block_size, -(-seq_len // self.block_size)):
+            if b >= state.all_flushed and b not in state.stage:
+                state.stage[b] = self._take_stage()
+
+    def _free_encoded(self, state: _SeqState) -> None:
+        """Staging slots of the blocks every quantized layer has encoded: the last step's early queries read
+        them exact, if at all; no later query does, so the slots go back."""
         done = state.all_flushed
         for b in [b for b in state.stage if self.stage_sink_blocks <= b < done]:
             self.stage_free.append(state.stage.pop(b))
-        for b in range(first_pos // self.block_size, -(-seq_len // self.block_size)):
-            if b >= done and b not in state.stage:
-                state.stage[b] = self._take_stage()
 
     def copy_block(self, group: int, src: int, dst: int) -> None:
         """Copy-on-write of a main block in every layer of a cache group (staged blocks are per sequence

@@ -85,3 +85,16 @@ def test_greedy_tokens_do_not_depend_on_steps_prefix_hits_or_preemption(tiny32, 
     tokens, engine = engine_greedy(tiny32, policy, 64, num_blocks=3 * (64 // bs) + 1, prompts=short, max_tokens=64)
     assert engine.scheduler.preemptions > 0
     assert tokens == [dense_greedy(model, policy, p, 64, chunk=len(p)) for p in short]
+
+
+@pytest.mark.parametrize("spec", ["int4:r=48", "kivi2:r=64"])
+def test_forks_of_a_long_prompt_fit_their_staging_and_match(tiny32, spec):
+    """n = 4 greedy completions forked right after a one-step prefill of the whole prompt: each fork takes
+    staging only for the blocks it still reads exact, and each gives the dense cache's tokens."""
+    policy = policy_of(tiny32.model, spec)
+    expected = dense_greedy(tiny32.model, policy, PROMPT, MAX_TOKENS, chunk=len(PROMPT))
+    engine = LLMEngine(tiny32, kv=policy, num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=4))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, n=4))
+    [out] = engine.run()
+    assert [o.token_ids for o in out.outputs] == [expected] * 4
+    assert len(engine.pool.stage_free) == engine.layout.stage_blocks  # every slot back
