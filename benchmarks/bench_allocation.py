@@ -84,7 +84,7 @@ def main() -> None:
     warn_if_busy()
     torch.manual_seed(0)
     out_name = f"allocation_{args.model}.json"
-    previous = {} if args.fresh or not (RESULTS / out_name).exists() else json.loads((RESULTS / out_name).read_text())
+    previous = json.loads((RESULTS / out_name).read_text()) if (RESULTS / out_name).exists() else {}
     cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
              if not (args.fresh and c["policy"] in args.policies)}
 

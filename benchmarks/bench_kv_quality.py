@@ -4,8 +4,8 @@
         [--model smollm2] [--formats fp16 kivi2 ...] [--windows 4] [--context 4096]
 
 Every part feeds text through paperback's quantized KV cache `--chunk` tokens
-at a time (default 32, within every format's recent window, so scores match
-token-by-token decoding; see `paperback eval --help`), so each token is
+at a time (default 32; any chunk scores as token-by-token decoding does,
+since what a position reads depends on its position alone), so each token is
 scored with every earlier token read back from the cache as stored. The
 reference is the same fp32 model with exact attention.
 
