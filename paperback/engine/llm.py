@@ -78,7 +78,6 @@ class LLMEngine:
                                   scheduler.max_step_tokens, self.max_model_len)
         # Fewer sequences run at once when their exact staging would not fit the budget otherwise.
         scheduler = replace(scheduler, max_num_seqs=self.layout.max_num_seqs)
-        self.scheduler_config = scheduler
         block_size = self.layout.block_size
         self.pool = PagedKVPool(config, policy, self.layout, self.model.dtype, self.model.device, kv_amax)
         self.prefix_caching = prefix_caching and self.pool.shares_prefixes

@@ -72,11 +72,10 @@ class LayerStore:
         # PN-Mix ranks key channels on the positions before the first block is encoded, whatever the chunks.
         self.observe_until = self.sink_end + self.unit + scheme.residual
 
-    def stored_until(self, positions: torch.Tensor) -> torch.Tensor:
-        """Per query position p, the end of the keys p reads as stored: whole units wholly older than p's
+    def stored_until(self, position: int) -> int:
+        """For a query at `position`, the end of the keys it reads as stored: whole units wholly older than its
         exact recent window, sinks aside. By position alone, never by where a chunk ended."""
-        stored = (positions + 1 - self.scheme.residual).clamp(min=0) // self.unit * self.unit
-        return stored.clamp(min=self.sink_end)
+        return max(self.sink_end, max(0, position + 1 - self.scheme.residual) // self.unit * self.unit)
 
     def observe(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """A chunk's queries and keys (positions length..), for a key codec that ranks channels on them."""
@@ -97,12 +96,12 @@ class LayerStore:
         self.values[:, :, start_pos:end] = v
         self.length = end
         self.exact = None
-        positions = torch.arange(start_pos, end, device=self.keys.device)
-        stored = self.stored_until(positions)
-        ready = int(stored[-1])
+        ready = self.stored_until(end - 1)  # what the chunk's last query reads as stored
         if ready > self.encoded:
-            copy_lo = max(self.encoded, int(stored[0]))
+            copy_lo = max(self.encoded, self.stored_until(start_pos))
             if not self.native and copy_lo < ready:  # earlier queries of this chunk still read these exact
+                stored = torch.tensor([self.stored_until(p) for p in range(start_pos, end)],
+                                      device=self.keys.device)
                 self.exact = ExactCopy(copy_lo, ready, self.keys[:, :, copy_lo:ready].clone(),
                                        self.values[:, :, copy_lo:ready].clone(), stored)
             self._flush(self.encoded, ready)
