@@ -7,7 +7,9 @@ Each budget is the bytes of one uniform scheme over every block linear and
 the output head. At that budget, llama.cpp's mix (paperback.allocate.baselines)
 and paperback's allocation (the exact solve over the model's profile, weight
 units only; "paperback" reads the default anchored profile, "paperback-all"
-one with every cell measured) are built to the same bytes (within 1%, checked), each is
+one with every cell measured; each then the second pass: the best solutions
+by the head's scheme measured whole on the profiled part of pydoc, the least
+KL kept) are built to the same bytes (within 1%, checked), each is
 quantized from a fresh copy of the model with the same method and
 calibration (pydoc, never the evaluation text; the profile read the first
 half of pydoc too; AWQ with the profile's lighter searches unless
@@ -15,7 +17,8 @@ half of pydoc too; AWQ with the profile's lighter searches unless
 WikiText-2 and PTB windows of 512 tokens. The KV cache is exact throughout:
 this table is about weights. Results go to
 benchmarks/results/allocation_<model>.json after every cell (a rerun skips
-cells already there unless --fresh, which redoes the chosen policies), with a plot of KL against bits.
+cells already there unless --fresh, which redoes the chosen policies at the
+chosen budgets), with a plot of KL against bits.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch  # noqa: E402
 from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
 from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
-from paperback.allocate.solver import solve  # noqa: E402
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, head_candidates  # noqa: E402
+from paperback.allocate.second_pass import SecondPass  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import evaluate, load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
@@ -45,11 +49,14 @@ from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
 POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
 
-def paperback_policy(allocator: Allocator, budget: int) -> dict:
-    """The allocation over weight units alone, within `budget` bytes of allocated units."""
-    chosen = solve(allocator.weight_groups(), budget)
+def paperback_policy(allocator: Allocator, budget: int, second: SecondPass, count: int) -> tuple[dict, list]:
+    """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
+    solutions by head scheme, measured whole on the profiled part of pydoc, the least KL kept."""
+    candidates = head_candidates(allocator.weight_groups(), budget, count)
+    best = second.choose(candidates)
     schemes = allocator.schemes
-    return {p: schemes[chosen[u.name].label] for u in allocator.units for p in u.params}
+    policy = {p: schemes[best.chosen[u.name].label] for u in allocator.units for p in u.params}
+    return policy, [{**c.summary(), "chosen": c is best} for c in candidates]
 
 
 def predicted_kl(profile: dict, units, policy: dict) -> float | None:
@@ -78,7 +85,10 @@ def main() -> None:
                              "ones (grid 10, 512), for every policy alike")
     parser.add_argument("--windows", type=int, default=16, help="windows of 512 tokens per data set")
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
-    parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells already in the JSON")
+    parser.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
+                        help="solutions by head scheme the second pass measures on the profiled part of pydoc "
+                             f"(default {DEFAULT_CANDIDATES}; 1: the solve's own choice)")
+    parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells at the chosen budgets")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
     args = parser.parse_args()
     warn_if_busy()
@@ -86,7 +96,7 @@ def main() -> None:
     out_name = f"allocation_{args.model}.json"
     previous = json.loads((RESULTS / out_name).read_text()) if (RESULTS / out_name).exists() else {}
     cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
-             if not (args.fresh and c["policy"] in args.policies)}
+             if not (args.fresh and c["policy"] in args.policies and c["budget"] in args.budgets)}
 
     full = load_model(args.model, "fp32")
     profiles = {"paperback": ProfileConfig(args.method)}
@@ -99,6 +109,9 @@ def main() -> None:
     allocator = allocators["paperback"]
     units, shapes = allocator.units, param_shapes(allocator.units)
     candidates = list(allocator.schemes.values())
+    second_passes = {name: SecondPass(full.model, full.tokenizer, load_text("pydoc"),
+                                      ProfileConfig.from_dict(p["config"]), allocators[name].units)
+               for name, p in profiles.items()}
     calibration = calibration_batch(full.tokenizer, CalibrationConfig("pydoc", args.calib_samples, 512, span=0.5))
     texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
     bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
@@ -108,11 +121,13 @@ def main() -> None:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
         policies = {"uniform": lambda: uniform_policy(units, allocator.schemes[label]),
                     "llama.cpp": lambda: llama_cpp_mix(units, full.config.num_layers, candidates, budget),
-                    **{name: lambda name=name: paperback_policy(allocators[name], budget) for name in allocators}}
+                    **{name: lambda name=name: paperback_policy(allocators[name], budget, second_passes[name],
+                                                                args.candidates) for name in allocators}}
         for name in args.policies:
             if (label, name) in cells:
                 continue
             policy = policies[name]()
+            policy, second_pass = policy if isinstance(policy, tuple) else (policy, None)
             used = policy_bytes(shapes, policy)
             if not 0.99 * budget <= used <= budget:
                 raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")
@@ -127,6 +142,7 @@ def main() -> None:
                     "bits_per_weight": 8 * used / sum(u.numel for u in units),
                     "predicted_kl": predicted_kl(profiles.get(name, profile), units, policy),
                     "quantize_seconds": seconds,
+                    "second_pass": second_pass,
                     "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
             for data, tokens in texts.items():
                 r = evaluate(lm.model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from paperback.allocate.candidates import Candidate, head_candidates
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
 from paperback.allocate.units import (WeightUnit, fixed_weight_bytes, kv_layer_bytes, parse_kv_candidates,
                                       parse_weight_candidates, pool_block_size, with_retention)
@@ -189,6 +190,17 @@ class Allocator:
         keep a long-range lookup within it (`kv_groups`)."""
         groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
         return self._allocation(self.solve_exactly(groups, self.capacity()))
+
+    def candidates(self, count: int, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
+                   evict: bool = False, retrieval_kl: float | None = None) -> list[Candidate]:
+        """`allocate`'s solve once per scheme of the output head, the best `count` by predicted KL, for the
+        second pass to measure (allocate.second_pass); the first is `allocate`'s own choice."""
+        groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
+        self.solve_exactly(groups, self.capacity())  # the nearest feasible point named, if none fits
+        return head_candidates(groups, self.capacity(), count)
+
+    def allocation_of(self, candidate: Candidate) -> Allocation:
+        return self._allocation(candidate.chosen)
 
     def solve_exactly(self, groups: list[Group], capacity: float) -> dict[str, Option]:
         """The exact solve within `capacity` bytes, or a message naming the nearest feasible point."""

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
+from paperback.allocate.candidates import DEFAULT_CANDIDATES
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
+from paperback.allocate.second_pass import SecondPass
 from paperback.allocate.units import BLOCK_UNITS, retention_label
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.schemes import parse_kv_scheme
@@ -39,6 +41,8 @@ class FitConfig:
     # Most answer KL of a long-range lookup any one layer's KV option may cost (the profile's retrieval part);
     # None: not constrained.
     retrieval_kl: float | None = None
+    # Candidate solutions the second pass measures whole on the profiled text (allocate.second_pass); 1: none.
+    candidates: int = DEFAULT_CANDIDATES
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}
@@ -90,6 +94,7 @@ class Fit:
         if self.profile is None:
             self.profiler = Profiler(lm.model, lm.tokenizer, text, config.text_source, config.profile, cache_dir,
                                      progress, lm.source.label)
+        self.text = text
         self.seconds: dict[str, float] = {}
 
     def run(self, reference_lm) -> dict:
@@ -99,7 +104,9 @@ class Fit:
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
         allocator = Allocator(self.profile, self.lm.model, self.config.workload)
-        allocation = allocator.allocate(evict=self.config.evict, retrieval_kl=self.config.retrieval_kl)
+        t0 = time.perf_counter()
+        allocation, second_pass = self._allocate(allocator)
+        self.seconds["second_pass"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         summary = self._quantize(allocation, allocator)
         self.seconds["quantize"] = time.perf_counter() - t0
@@ -110,12 +117,24 @@ class Fit:
         return {"checkpoint": str(self.out_dir), "workload": asdict(self.config.workload),
                 "curve": curve, "breakdown": breakdown_point(curve, self.config.breakdown_kl),
                 "breakdown_kl": self.config.breakdown_kl,
-                "allocation": allocation.to_dict(), "layers": self._layer_table(allocation),
+                "allocation": allocation.to_dict(), "second_pass": second_pass, "layers": self._layer_table(allocation),
                 "quantization": summary, "quality": quality, "additivity": self.profile.get("additivity"),
                 "profile": {"key": self.profiler.key if self.profiler else None,
                             "path": str(self.profile_path) if self.profile_path else None,
                             "seconds": self.profile.get("seconds", {})},
                 "tokens": self.profile.get("tokens"), "seconds": self.seconds, "config": self.config.to_dict()}
+
+    def _allocate(self, allocator: Allocator) -> tuple[Allocation, list[dict]]:
+        """The solve's best candidates by head scheme, measured whole on the profiled text; the least KL kept."""
+        from paperback.kv.policy import build_policy
+
+        cfg = self.config
+        candidates = allocator.candidates(cfg.candidates, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
+        second = SecondPass(self.lm.model, self.lm.tokenizer, self.text,
+                            ProfileConfig.from_dict(self.profile["config"]), allocator.units, self.progress)
+        best = second.choose(candidates, lambda c: build_policy(
+            self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
+        return allocator.allocation_of(best), [{**c.summary(), "chosen": c is best} for c in candidates]
 
     def _quantize(self, allocation: Allocation, allocator: Allocator) -> dict:
         cfg = self.config

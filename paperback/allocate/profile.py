@@ -35,7 +35,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -44,11 +44,11 @@ from tqdm.auto import tqdm
 
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
-from paperback.allocate.quantized_units import EffectiveWeight, quantize_block
+from paperback.allocate.quantized_units import EffectiveWeight, quantized_blocks, unit_weights
 from paperback.allocate.retrieval import RetrievalProbe, retrieval_prompts
 from paperback.allocate.stats import pearson, ranks
 from paperback.allocate.token_importance import token_importance
-from paperback.allocate.units import (BLOCK_UNITS, DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
+from paperback.allocate.units import (DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
                                       RETENTION_SINK, WeightUnit, parse_kv_candidates, parse_weight_candidates,
                                       weight_units, with_retention)
 from paperback.errors import DatasetError, PaperbackError
@@ -114,6 +114,13 @@ class ProfileConfig:
             raise PaperbackError(f"head tokens must be at least one window ({self.window_tokens})")
         if self.measure not in MEASURE_MODES:
             raise PaperbackError(f"unknown measure mode '{self.measure}' (choose from {', '.join(MEASURE_MODES)})")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProfileConfig":
+        """The config a profile records (`to_dict`), keys left out at their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        return cls(**values)
 
     def to_dict(self) -> dict:
         data = {**asdict(self), "weight_schemes": list(self.weight_schemes), "kv_formats": list(self.kv_formats)}
@@ -348,24 +355,21 @@ class Profiler:
             return  # nothing left that needs the quantized weights
         bar = tqdm(total=todo, desc="profile weights", unit="unit", disable=None if self.progress else True,
                    leave=False)
-        model = self.model
-        calib = model.embed(self.text.calibration)
-        positions = torch.arange(calib.shape[1], device=model.device)
+        t0 = time.perf_counter()
+        blocks = quantized_blocks(self.model, self.text.calibration, lambda idx: self.schemes, self.config.method,
+                                  PROFILE_AWQ)
         with torch.inference_mode():
-            for idx, layer in enumerate(model.model.layers):
-                t0 = time.perf_counter()
-                cos, sin = model.rotary_for(idx)(positions, model.dtype)
-                for scheme in self.schemes:
-                    self.effective[(f"layers.{idx}", scheme.label)] = quantize_block(
-                        layer, model.config.family, calib, cos, sin, scheme, self.config.method, PROFILE_AWQ)
+            for idx, effective in blocks:
+                for label, weights in effective.items():
+                    self.effective[(f"layers.{idx}", label)] = weights
                 for unit in self._block_units(idx):
                     todo = [s.label for s in self.schemes if s.label not in kl.get(unit.name, {})]
                     if todo:
                         kl[unit.name] = self._unit_cells(unit, probe, kl.get(unit.name, {}))
                         bar.update(len(todo))
-                calib = layer(calib, cos, sin, 0, None)
                 self._timed("weights", t0)
                 self._save_partial()
+                t0 = time.perf_counter()
         self._head(bar)
         bar.close()
 
@@ -440,11 +444,7 @@ class Profiler:
 
     def unit_weights(self, unit: WeightUnit, label: str) -> dict[str, torch.Tensor]:
         """{param name: effective weight} of a unit under the scheme labelled `label`."""
-        if unit.name == HEAD_UNIT:
-            return {p: w.weight() for p, w in self.effective[(HEAD_UNIT, label)].items()}
-        effective = self.effective[(f"layers.{unit.layer}", label)]
-        names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
-        return {f"model.layers.{unit.layer}.{n}.weight": effective[n].weight() for n in names}
+        return unit_weights(self.effective, unit, label)
 
     # --- KV cache -----------------------------------------------------------------------------------------
     def _kv(self, probe: ReferenceProbe) -> None:

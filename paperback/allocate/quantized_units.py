@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paperback.allocate.units import BLOCK_UNITS, HEAD_UNIT, WeightUnit
 from paperback.errors import PaperbackError
 from paperback.quantization.awq import AWQConfig, awq_block, capture_inputs, scale_groups
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
@@ -85,6 +86,36 @@ def _awq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, Effec
             for name in group.linears:
                 column[name] = folded[group.prev]
     return {name: EffectiveWeight(q, column.get(name), folded.get(name)) for name, q in results.items()}
+
+
+@torch.inference_mode()
+def quantized_blocks(model, calibration: torch.Tensor, schemes_of, method: str, awq: AWQConfig | None = None):
+    """Yields (layer index, {scheme label: {linear name: EffectiveWeight}}) for each block, its schemes
+    `schemes_of(index)` each quantized from the full model's own inputs to that block on `calibration` (N, L)
+    token ids: every block sees exact inputs, so any mix of blocks' schemes can be swapped in afterwards."""
+    x = model.embed(calibration)
+    positions = torch.arange(calibration.shape[1], device=model.device)
+    for idx, layer in enumerate(model.model.layers):
+        cos, sin = model.rotary_for(idx)(positions, model.dtype)
+        yield idx, {s.label: quantize_block(layer, model.config.family, x, cos, sin, s, method, awq)
+                    for s in schemes_of(idx)}
+        x = layer(x, cos, sin, 0, None)
+
+
+def effective_key(unit: WeightUnit) -> str:
+    """Which quantized piece a unit's weights come from: its block, or the head."""
+    return HEAD_UNIT if unit.name == HEAD_UNIT else f"layers.{unit.layer}"
+
+
+def unit_weights(effective: dict[tuple[str, str], dict[str, EffectiveWeight]], unit: WeightUnit,
+                 label: str) -> dict[str, torch.Tensor]:
+    """{param name: effective weight} of `unit` under the scheme labelled `label`, from the pieces `effective`
+    holds by (effective_key, label): a block's linears by their names in the block, the head by its param."""
+    pieces = effective[(effective_key(unit), label)]
+    if unit.name == HEAD_UNIT:
+        return {p: w.weight() for p, w in pieces.items()}
+    names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
+    return {f"model.layers.{unit.layer}.{n}.weight": pieces[n].weight() for n in names}
 
 
 # Each weight method (paperback.quantization.model_pass.METHODS) on one block from its exact inputs.

@@ -195,6 +195,7 @@ def render_report(result: dict, profile: dict) -> str:
         parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
     else:
         parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
+    parts.append(_second_pass_section(result.get("second_pass") or []))
     parts.append(_estimates_section(profile.get("estimates")))
     parts += ["<h2>Quality against budget</h2>", f'<img src="{_curve_plot(curve, chosen, breakdown)}" alt="curve">']
     if breakdown is not None:
@@ -207,6 +208,17 @@ def render_report(result: dict, profile: dict) -> str:
     body = "\n".join(parts)
     return f"<!doctype html><html><head><meta charset=utf-8><title>paperback fit</title><style>{STYLE}</style>" \
            f"</head><body>{body}</body></html>"
+
+
+def _second_pass_section(candidates: list[dict]) -> str:
+    if len(candidates) < 2:
+        return ""
+    rows = [[html.escape(c["name"]) + (" (kept)" if c["chosen"] else ""), f"{c['predicted_kl']:.4f}",
+             f"{c['measured_kl']:.4f}", _mib(c["bytes"])] for c in candidates]
+    return ("<h3>Second pass</h3><p>The exact solve with the output head held at each of its schemes; the best "
+            "by prediction measured whole on the profiled text (a tied head's error changes every block's input, "
+            "so its cost does not add to theirs), the least measured KL kept.</p>"
+            + _table(["candidate", "predicted KL", "measured KL", "allocated bytes"], rows))
 
 
 def _estimates_section(estimates: dict | None) -> str:

@@ -15,15 +15,17 @@ from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
+    from paperback.allocate.candidates import DEFAULT_CANDIDATES
     from paperback.allocate.units import DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES
 
     p = sub.add_parser("fit", help="fit a model into a memory budget: profile, allocate bits, quantize, evaluate",
                        description="Given a memory budget and a workload (context x users), measure where bits "
                                    "matter on your text (`paperback profile`, cached), choose each weight unit's "
                                    "scheme and each layer's KV format to minimise the predicted KL within the "
-                                   "budget (an exact solve), quantize into one checkpoint that carries its KV "
-                                   "policy (so `serve DIR` and `eval DIR` use it with no flags), and evaluate it on "
-                                   "the held-out part of the text against the full model: perplexity, KL, needles.")
+                                   "budget (an exact solve; the best solutions by output-head scheme are then "
+                                   "measured whole), quantize into one checkpoint that carries its KV policy (so "
+                                   "`serve DIR` and `eval DIR` use it with no flags), and evaluate it on the "
+                                   "held-out part of the text against the full model: perplexity, KL, needles.")
     add_model_arg(p)
     p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write")
     p.add_argument("--memory", required=True, help="memory budget, like 1GiB or 800MB")
@@ -55,6 +57,9 @@ def register(sub) -> None:
                    help="most a long-range lookup's answer KL (nats/token) any one layer's KV option may cost, "
                         f"from the profile's retrieval part; 'auto': {RETRIEVAL_KL} with --evict, else off; "
                         "'off': unconstrained")
+    p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
+                   help="solutions the second pass measures whole on the profiled text, one per scheme of the "
+                        f"output head, the least KL kept (default {DEFAULT_CANDIDATES}; 1: the solve's own)")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     parse_weight_candidates(profile.weight_schemes)
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
                        () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,
-                       evict=args.evict, retrieval_kl=_retrieval_kl(args.retrieval_kl, args.evict))
+                       evict=args.evict, retrieval_kl=_retrieval_kl(args.retrieval_kl, args.evict),
+                       candidates=args.candidates)
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)

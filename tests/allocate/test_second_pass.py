@@ -1,0 +1,81 @@
+"""The second pass: candidates by head scheme, each the exact optimum given the head, measured whole."""
+
+import itertools
+
+import pytest
+import torch
+
+from paperback.allocate.allocation import Allocator, Workload
+from paperback.allocate.candidates import head_candidates
+from paperback.allocate.probe import ReferenceProbe, swapped_weights
+from paperback.allocate.profile import ProfileConfig, Profiler, split_text
+from paperback.allocate.second_pass import SecondPass
+from paperback.allocate.solver import Group, InfeasibleBudget, Option
+from paperback.kv.policy import build_policy
+from paperback.quantization.rtn import quantize_rtn
+
+from test_profile import sample_text
+
+CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W4a-g64", "W2a-g64"), kv_formats=("fp16", "kivi2:r=32"),
+                       windows=1, window_tokens=128, weight_tokens=64, calib_samples=1, additivity_samples=0,
+                       head_tokens=256)
+
+
+def brute_force(groups, capacity):
+    best = None
+    for combo in itertools.product(*(g.options for g in groups)):
+        if sum(o.bytes for o in combo) <= capacity:
+            cost = sum(o.cost for o in combo)
+            best = cost if best is None or cost < best else best
+    return best
+
+
+def test_each_candidate_is_the_exact_optimum_with_its_head_scheme():
+    head = Group("head", (Option("hi", 8, 0.1), Option("mid", 5, 0.3), Option("lo", 3, 0.9), Option("max", 20, 0)))
+    blocks = [Group(f"b{i}", (Option("hi", 4, 0.05 * i), Option("lo", 2, 0.2 + 0.1 * i))) for i in range(3)]
+    capacity = 16.5  # no combination sums to it exactly: the solver keeps a tolerance below the capacity
+    candidates = head_candidates([head, *blocks], capacity, count=3)
+    assert [c.predicted for c in candidates] == sorted(c.predicted for c in candidates)
+    assert len({c.chosen["head"].label for c in candidates}) == 3  # one per head scheme; "max" never fits
+    assert candidates[0].predicted == pytest.approx(brute_force([head, *blocks], capacity))
+    for c in candidates:
+        assert sum(o.bytes for o in c.chosen.values()) <= capacity
+        fixed = Group("head", (c.chosen["head"],))
+        assert c.predicted == pytest.approx(brute_force([fixed, *blocks], capacity))
+    with pytest.raises(InfeasibleBudget):
+        head_candidates([head, *blocks], 8)
+    assert len(head_candidates([head, *blocks], capacity, count=1)) == 1
+    assert head_candidates(blocks, capacity)[0].name == "solve"  # no head unit: the one solve
+
+
+@pytest.fixture
+def profile(tiny_lm, char_tokenizer, tmp_path):
+    return Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False).run()
+
+
+def test_the_second_pass_measures_each_candidate_whole_and_keeps_the_least(profile, tiny_lm, char_tokenizer):
+    allocator = Allocator(profile, tiny_lm.model, Workload(10 ** 12, 256, 1))
+    groups = allocator.weight_groups()
+    middle = (sum(min(o.bytes for o in g.options) for g in groups) + sum(max(o.bytes for o in g.options)
+                                                                          for g in groups)) / 2
+    candidates = head_candidates(groups, middle, count=3)
+    assert len(candidates) >= 2
+    second = SecondPass(tiny_lm.model, char_tokenizer, sample_text(), CONFIG, allocator.units, progress=False)
+    before = {n: p.detach().clone() for n, p in tiny_lm.model.named_parameters()}
+    best = second.choose(candidates)
+    assert best.measured == min(c.measured for c in candidates)
+    assert all(torch.equal(p, before[n]) for n, p in tiny_lm.model.named_parameters())  # weights restored
+    # Each measurement is the whole model with every unit's RTN weights at once, on the head windows.
+    windows = split_text(char_tokenizer.encode(sample_text()), CONFIG).head_windows
+    probe = ReferenceProbe(tiny_lm.model, windows, CONFIG.kv_chunk)
+    params = dict(tiny_lm.model.named_parameters())
+    for c in candidates:
+        swap = {p: quantize_rtn(params[p], allocator.schemes[c.chosen[u.name].label]).dequantize()
+                for u in allocator.units for p in u.params}
+        with swapped_weights(tiny_lm.model, swap):
+            assert c.measured == pytest.approx(probe.kl_full(), rel=1e-5)
+    # With a KV policy, the cache is read back in its formats as well.
+    policy = build_policy(tiny_lm.config, spec={"default": "kivi2:r=32"})
+    second.choose(candidates, lambda c: policy)
+    with swapped_weights(tiny_lm.model, second._weights(candidates[0])):
+        assert candidates[0].measured == pytest.approx(probe.kl_full(policy), rel=1e-5)
