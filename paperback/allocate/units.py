@@ -78,9 +78,13 @@ def weight_units(config: ModelConfig, include_head: bool = True) -> list[WeightU
     return units
 
 
+# A checkpoint stores the tensors it does not pack as loaded, fp32 (exact), and a process loads them so.
+FIXED_TENSOR_BYTES = 4
+
+
 def fixed_weight_bytes(model, units: list[WeightUnit]) -> int:
-    """Bytes no allocation changes, at 16 bits: every parameter outside the units (norms, biases, an
-    untied embedding), each tensor counted once."""
+    """Bytes no allocation changes, as a checkpoint stores them (FIXED_TENSOR_BYTES per value): every
+    parameter outside the units (norms, biases, an untied embedding), each tensor counted once."""
     allocated = {p for u in units for p in u.params}
     seen: set[int] = set()
     total = 0
@@ -88,7 +92,7 @@ def fixed_weight_bytes(model, units: list[WeightUnit]) -> int:
         if name in allocated or tensor.data_ptr() in seen:
             continue
         seen.add(tensor.data_ptr())
-        total += 2 * tensor.numel()
+        total += FIXED_TENSOR_BYTES * tensor.numel()
     return total
 
 

@@ -54,6 +54,12 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
     for param, layer in recipe["layers"].items():
         label = result["allocation"]["weights"][units[param]]
         assert layer["scheme"]["bits"] == int(label[1])
+    # The second pass measured the best solutions by head scheme and kept the least measured KL.
+    second = result["second_pass"]
+    assert len(second) >= 2 and len({c["name"] for c in second}) == len(second)
+    kept = [c for c in second if c["chosen"]]
+    assert len(kept) == 1 and kept[0]["measured_kl"] == min(c["measured_kl"] for c in second)
+    assert result["allocation"]["weights"]["head"] == kept[0]["name"].removeprefix("head ")
     q = result["quality"]
     assert q["eval"]["kl_divergence"] > 0 and q["eval"]["tokens_scored"] == 2 * 127
     assert len(q["needles"]["fitted"]) == 3
@@ -117,7 +123,7 @@ def test_fit_report_is_self_contained(tiny_dir, tmp_path, cache, capsys):
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 4
     for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
-                    "Breakdown point", "Pearson", "needles at", "retention", "Long-range lookups"):
+                    "Breakdown point", "Pearson", "needles at", "retention", "Long-range lookups", "Second pass"):
         assert section in page
     # Nothing is fetched from elsewhere: no URL other than the embedded images.
     import re

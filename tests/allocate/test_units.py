@@ -13,13 +13,13 @@ from paperback.quantization.scheme import QuantScheme
 
 @pytest.mark.parametrize("label", ["W8s-ch", "W4a-g128", "W4a-g64", "W3a-g128", "W3a-g64", "W2a-g64", "W4s-g32"])
 def test_unit_bytes_are_what_the_packed_layers_hold(tiny_lm, label):
-    """Units' bytes under a scheme plus the fixed 16-bit rest = the quantized model's bytes at 16-bit rest."""
+    """Units' bytes under a scheme plus the fixed rest (fp32, as stored) = the quantized fp32 model's bytes."""
     scheme = parse_weight_candidates([label])[0]
     units = weight_units(tiny_lm.config)
     fixed = fixed_weight_bytes(tiny_lm.model, units)
     config = QuantizeConfig("rtn", scheme, targets=BLOCK_LINEARS + ("head",))
     swap_in_quantized(tiny_lm.model, quantize_model(tiny_lm.model, config, progress=False))
-    packed = module_bytes(tiny_lm.model) - fixed * 2  # the fp32 model holds the fixed rest at 4 bytes
+    packed = module_bytes(tiny_lm.model) - fixed
     assert sum(u.bytes_for(scheme) for u in units) == packed
 
 
