@@ -7,12 +7,12 @@ import os
 import sys
 
 from paperback import __version__
-from paperback.cli import (bench_cmd, demo_cmd, eval_cmd, fit_cmd, generate_cmd, info_cmd, plan_cmd, profile_cmd,
-                           quantize_cmd, serve_cmd)
+from paperback.cli import (bench_cmd, demo_cmd, eval_cmd, export_cmd, fit_cmd, generate_cmd, info_cmd, plan_cmd,
+                           profile_cmd, quantize_cmd, serve_cmd)
 from paperback.errors import PaperbackError
 
-COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, quantize_cmd, serve_cmd, plan_cmd, profile_cmd, fit_cmd,
-            demo_cmd)
+COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, quantize_cmd, export_cmd, serve_cmd, plan_cmd, profile_cmd,
+            fit_cmd, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         q = facts["quantization"]
         rows.append(["quantization", f"{q['method']} {q['schemes']}, {q['layers']} layers at "
                                      f"{q['bits_per_weight']:.3f} bits/weight"])
+        rows.append(["weights as stored (what `plan` counts)", f"{q['stored_bytes'] / 2**20:.1f} MiB"])
         if q["kv_policy"]:
             layers = q["kv_policy"].get("layers", {})
             rows.append(["KV policy (fitted)", f"{q['kv_policy']['default']}"
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _quantization(lm) -> dict | None:
     """Method, schemes and exact bits per weight of a paperback checkpoint's packed layers."""
+    from paperback.plan.arithmetic import checkpoint_weight_bytes
     from paperback.quantization.checkpoint import quantized_layers, read_recipe
 
     if lm.source.kind != "paperback":
@@ -71,4 +73,4 @@ def _quantization(lm) -> dict | None:
         weights += module.out_features * module.in_features
     return {"method": recipe.get("method"), "schemes": ", ".join(sorted({s.label for s in layers.values()})),
             "layers": len(layers), "bits_per_weight": bits / weights if weights else 0.0,
-            "kv_policy": recipe.get("kv_policy")}
+            "stored_bytes": checkpoint_weight_bytes(lm.source.path)[1].total, "kv_policy": recipe.get("kv_policy")}

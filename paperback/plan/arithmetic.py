@@ -67,14 +67,12 @@ def weight_bytes(shape: ModelShape, scheme: str | QuantScheme = "fp16") -> Weigh
 SAFETENSORS_ITEMSIZE = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "F64": 8, "I64": 8}
 
 
-def checkpoint_weight_bytes(directory: Path, other_bits: int = 16) -> tuple[str, WeightBytes]:
-    """A paperback checkpoint's weights as they will sit in memory, from its safetensors header only.
-
-    Packed codes, scales and zero points count at their stored size; every
-    other tensor (embeddings, norms, biases) at `other_bits`, the dtype they
-    are loaded in. Returns the checkpoint's scheme label ("W4a-g128", or
-    "mixed" when its layers differ) and the bytes.
-    """
+def checkpoint_weight_bytes(directory: Path, other_bits: int | None = None) -> tuple[str, WeightBytes]:
+    """A paperback checkpoint's weights from its safetensors header only: by default every tensor at its
+    stored size, so the total is the file's tensor bytes (`info` reports the same); with `other_bits`, the
+    tensors that are not packed (norms, biases, an unquantized embedding) at that width instead, as a
+    process that loads them in another dtype holds them. Returns the checkpoint's scheme label ("W4a-g128",
+    or "mixed" when its layers differ) and the bytes."""
     from safetensors import SafetensorError, safe_open
 
     from paperback.errors import ModelFileError
@@ -93,7 +91,8 @@ def checkpoint_weight_bytes(directory: Path, other_bits: int = 16) -> tuple[str,
                 elif name.endswith((".scales", ".qzeros")):
                     overhead += numel * SAFETENSORS_ITEMSIZE[tensor.get_dtype()]
                 else:
-                    other += numel * other_bits // 8
+                    other += numel * (SAFETENSORS_ITEMSIZE[tensor.get_dtype()] if other_bits is None
+                                      else other_bits // 8)
     except (OSError, SafetensorError) as exc:
         raise ModelFileError(f"{directory / WEIGHTS_FILE} is unreadable: {exc}") from None
     label = schemes.pop() if len(schemes) == 1 else ("mixed" if schemes else "fp16")

@@ -76,6 +76,7 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
                        "model_config": model.config.to_dict(), **recipe,
                        "weights_sha256": weights_digest(tmp / WEIGHTS_FILE)}
         (tmp / RECIPE_FILE).write_text(json.dumps(full_recipe, indent=2))
+        publish_modes(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -83,6 +84,13 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def publish_modes(directory: Path) -> None:
+    """Files 0644 and directories 0755, whatever the writer chose: safetensors writes its file 0600 (through a
+    temporary file), which another user or a serving container's user could not read."""
+    for path in [directory, *Path(directory).rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def weights_digest(path: Path) -> str:

@@ -91,8 +91,17 @@ class QuantizeConfig:
         return self.layer_schemes.get(param_name, self.scheme)
 
     @property
+    def mixed_blocks(self) -> bool:
+        """Whether block linears differ in scheme (edges at their own scheme are not a mix)."""
+        return any(name not in (EMBED_PARAM, HEAD_PARAM) and s != self.scheme for name, s in self.layer_schemes.items())
+
+    @property
     def label(self) -> str:
-        return "mixed" if self.layer_schemes else self.scheme.label
+        if self.mixed_blocks:
+            return "mixed"
+        edges = {s.label for name, s in self.layer_schemes.items() if name in (EMBED_PARAM, HEAD_PARAM)}
+        edges.discard(self.scheme.label)
+        return self.scheme.label + (f", edges {', '.join(sorted(edges))}" if edges else "")
 
 
 def autocast_dtype(config: QuantizeConfig, device: torch.device) -> torch.dtype | None:

@@ -27,7 +27,7 @@ def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationC
     recipe = {
         "source_model": str(lm.source.path),
         "method": config.method,
-        "scheme": config.scheme.to_dict() if not config.layer_schemes else None,
+        "scheme": config.scheme.to_dict() if not config.mixed_blocks else None,
         **(method.recipe(config, forward_dtype) or {}),  # the method's own settings, under its name
         "modules": list(config.targets),
         "calibration": calibration.to_dict() if batch is not None else None,

@@ -75,10 +75,17 @@ def test_a_quantized_checkpoint_plans_with_its_own_stored_weights(tmp_path, caps
     swap_in_quantized(lm.model, results)
     out = save_checkpoint(lm.model, None, {"layers": {n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}},
                           tmp_path / "ckpt")
-    # The bytes read from the file's header are the bytes the arithmetic predicts from the shape alone.
+    # The bytes read from the file's header are the bytes the arithmetic predicts from the shape alone
+    # (the tensors left unpacked stored as loaded, fp32), and they are the file's tensor bytes.
     label, stored = checkpoint_weight_bytes(out)
     assert label == "W4a-g64"
-    assert stored == weight_bytes(load_shape(str(out)), scheme)
+    predicted = weight_bytes(load_shape(str(out)), scheme)
+    assert (stored.quantized_codes, stored.quantized_overhead) == (predicted.quantized_codes,
+                                                                    predicted.quantized_overhead)
+    assert stored.full_precision == 2 * predicted.full_precision
+    assert checkpoint_weight_bytes(out, other_bits=16)[1] == predicted
+    header = int.from_bytes((out / "model.safetensors").read_bytes()[:8], "little")
+    assert stored.total == (out / "model.safetensors").stat().st_size - 8 - header
     assert load_shape(str(out)) == load_shape(str(gguf)).__class__(**{**load_shape(str(gguf)).__dict__,
                                                                       "name": "ckpt", "source": str(out)})
     report = run_json(capsys, str(out), "--memory", "1GiB", "--weights", "W8")

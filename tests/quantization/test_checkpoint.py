@@ -77,9 +77,19 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     assert main(["quantize", "smollm2", "--method", "rtn", "--bits", "4", "--group-size", "64", "-o", str(out),
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["layers"] == 210 and 4.2 < summary["bits_per_weight"] < 4.4
+    # 210 block linears at W4 g64 and the tied embedding/head at 8 bits per channel, by default.
+    assert summary["layers"] == 211 and summary["scheme"] == "W4a-g64, edges W8s-ch"
     recipe = json.loads((out / RECIPE_FILE).read_text())
     assert recipe["method"] == "rtn" and recipe["scheme"]["group_size"] == 64 and recipe["paperback_version"]
+    assert recipe["layers"]["model.embed_tokens.weight"]["scheme"] == {"bits": 8, "group_size": None,
+                                                                        "symmetric": True}
+    # Smaller than the GGUF it came from, and readable by anyone (safetensors alone writes 0600).
+    from paperback.loading.sources import resolve_model
+
+    stored = sum(f.stat().st_size for f in out.iterdir())
+    assert stored < resolve_model("smollm2").path.stat().st_size
+    assert {oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == {"0o644"}
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
     assert main(["eval", str(out), "--context", "128", "--max-windows", "2", "--json",
                  "--reference", "smollm2"]) == 0
     result = json.loads(capsys.readouterr().out)["results"][0]
@@ -89,8 +99,23 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == 134_515_008  # packed layers count their weights, not their bytes
-    assert info["quantization"] == {"method": "rtn", "schemes": "W4a-g64", "layers": 210,
-                                    "bits_per_weight": pytest.approx(summary["bits_per_weight"]), "kv_policy": None}
+    weights_file = out / "model.safetensors"
+    header = int.from_bytes(weights_file.read_bytes()[:8], "little")
+    assert info["quantization"] == {"method": "rtn", "schemes": "W4a-g64, W8s-ch", "layers": 211,
+                                    "bits_per_weight": pytest.approx(summary["bits_per_weight"]),
+                                    "stored_bytes": weights_file.stat().st_size - 8 - header, "kv_policy": None}
+    # plan counts the checkpoint's weights as info does: the file's tensor bytes.
+    assert main(["plan", str(out), "--memory", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["weight_bytes"] == info["quantization"]["stored_bytes"]
+
+
+def test_edge_scheme_none_and_same_and_a_bad_one(tmp_path, capsys):
+    out = tmp_path / "blocks-only"
+    assert main(["quantize", "smollm2", "--method", "rtn", "--edge-scheme", "none", "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 210
+    assert main(["quantize", "smollm2", "--method", "rtn", "--edge-scheme", "fp16", "-o", str(tmp_path / "x")]) == 2
+    assert "--edge-scheme fp16 is not a quantization scheme" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_cli_quantizes_the_head_and_the_packed_head_runs_a_quantized_cache(tmp_path, capsys):
@@ -154,7 +179,8 @@ def test_every_method_quantizes_gemma3_from_the_cli(tmp_path, capsys, method):
     assert main(["quantize", "gemma3", "--method", method, "--bits", "4", "--group-size", "128", "-o", str(out),
                  "--calib-samples", "16", "--calib-len", "256", "--awq-samples", "8", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["layers"] == 18 * 7 and 4.1 < summary["bits_per_weight"] < 4.3
+    # 126 block linears at W4 g128, and the tied 262,144 x 640 embedding/head (62% of the weights) at W8.
+    assert summary["layers"] == 18 * 7 + 1 and 6.3 < summary["bits_per_weight"] < 6.8
     assert main(["eval", str(out), "--context", "256", "--max-windows", "2", "--json",
                  "--reference", "gemma3"]) == 0
     result = json.loads(capsys.readouterr().out)["results"][0]

@@ -1,0 +1,45 @@
+"""`paperback export DIR --format gguf -o OUT.gguf`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from paperback.cli.common import add_json_arg
+from paperback.cli.output import note, print_json, print_table
+
+FORMATS = ("gguf",)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a paperback checkpoint in a format another engine loads",
+                       description="Write a quantized paperback checkpoint as a file another engine loads, its "
+                                   "codes and scales carried over as they are (no second rounding). gguf: "
+                                   "llama.cpp's Q4_0 (W4 symmetric), Q4_1 (W4 asymmetric) and Q8_0 (W8 symmetric) "
+                                   "blocks, for groups of 32 or a multiple of 32 or per channel, with the source "
+                                   "GGUF's tokenizer and chat template. Other schemes are refused by name.")
+    p.add_argument("checkpoint", type=Path, help="a paperback checkpoint directory (`paperback quantize` or `fit`)")
+    p.add_argument("--format", choices=FORMATS, default="gguf", help="output format (default gguf)")
+    p.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.errors import PaperbackError
+    from paperback.export.gguf_export import export_gguf
+
+    if not (args.checkpoint / "recipe.json").is_file():
+        raise PaperbackError(f"{args.checkpoint} is not a paperback checkpoint (no recipe.json); quantize a model "
+                             "with `paperback quantize` first")
+    summary = export_gguf(args.checkpoint, args.output, args.overwrite, progress=not args.json)
+    if args.json:
+        print_json(summary)
+        return 0
+    print_table(f"exported {args.checkpoint} as GGUF", ["field", "value"],
+                [["output", summary["output"]], ["architecture", summary["architecture"]],
+                 ["tensors", ", ".join(f"{n} {k}" for k, n in sorted(summary["tensors"].items()))],
+                 ["bytes", f"{summary['bytes']:,}"]])
+    note(f"llama.cpp: llama-server -m {args.output}; paperback loads it too: paperback eval {args.output}")
+    return 0
