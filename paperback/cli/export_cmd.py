@@ -1,4 +1,4 @@
-"""`paperback export DIR --format gguf -o OUT.gguf`."""
+"""`paperback export DIR --format gguf|compressed-tensors -o OUT`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from paperback.cli.common import add_json_arg
 from paperback.cli.output import note, print_json, print_table
 
-FORMATS = ("gguf",)
+FORMATS = ("gguf", "compressed-tensors")
 
 
 def register(sub) -> None:
@@ -17,10 +17,17 @@ def register(sub) -> None:
                                    "codes and scales carried over as they are (no second rounding). gguf: "
                                    "llama.cpp's Q4_0 (W4 symmetric), Q4_1 (W4 asymmetric) and Q8_0 (W8 symmetric) "
                                    "blocks, for groups of 32 or a multiple of 32 or per channel, with the source "
-                                   "GGUF's tokenizer and chat template. Other schemes are refused by name.")
+                                   "GGUF's tokenizer and chat template. compressed-tensors: llm-compressor's "
+                                   "pack-quantized layout that vLLM and transformers load, 2/4/8 bits in groups "
+                                   "that divide the rows or per channel. Other schemes are refused by name.")
     p.add_argument("checkpoint", type=Path, help="a paperback checkpoint directory (`paperback quantize` or `fit`)")
     p.add_argument("--format", choices=FORMATS, default="gguf", help="output format (default gguf)")
-    p.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="file (gguf) or directory (compressed-tensors) to write")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="compressed-tensors: the model dtype, of the scales and of every tensor not packed "
+                        "(default float16, which holds paperback's fp16 scales exactly; float32 keeps the rest exact "
+                        "too)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -28,11 +35,27 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from paperback.errors import PaperbackError
+    from paperback.export.compressed_tensors_export import export_compressed_tensors
     from paperback.export.gguf_export import export_gguf
 
     if not (args.checkpoint / "recipe.json").is_file():
         raise PaperbackError(f"{args.checkpoint} is not a paperback checkpoint (no recipe.json); quantize a model "
                              "with `paperback quantize` first")
+    if args.format == "compressed-tensors":
+        summary = export_compressed_tensors(args.checkpoint, args.output, args.dtype or "float16", args.overwrite,
+                                            progress=not args.json)
+        if args.json:
+            print_json(summary)
+            return 0
+        print_table(f"exported {args.checkpoint} as compressed-tensors", ["field", "value"],
+                    [["output", summary["output"]], ["schemes", ", ".join(f"{n} {s}" for s, n in
+                                                                            summary["schemes"].items())],
+                     ["written dense", ", ".join(summary["dense"]) or "-"], ["bytes", f"{summary['bytes']:,}"]])
+        note(f"vLLM: vllm serve {args.output}; transformers: AutoModelForCausalLM.from_pretrained('{args.output}') "
+             "with the compressed-tensors package installed")
+        return 0
+    if args.dtype is not None:
+        raise PaperbackError("--dtype applies to compressed-tensors; GGUF keeps fp16 block scales and F32 norms")
     summary = export_gguf(args.checkpoint, args.output, args.overwrite, progress=not args.json)
     if args.json:
         print_json(summary)

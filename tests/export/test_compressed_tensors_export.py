@@ -1,0 +1,114 @@
+"""compressed-tensors export, checked by its real consumers: the compressed-tensors package and transformers."""
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+from paperback.cli import main
+from paperback.errors import PaperbackError
+from paperback.export.compressed_tensors_export import export_compressed_tensors, pack_int32
+from paperback.loading import load_model
+from paperback.quantization import QuantScheme
+
+from test_gguf_export import quantized_checkpoint
+
+
+@pytest.mark.parametrize("bits, cols", [(2, 64), (4, 128), (4, 72), (8, 40)])
+def test_packing_is_the_libraries_own(bits, cols):
+    codes = torch.randint(0, 2 ** bits, (6, cols), dtype=torch.uint8)
+    signed = (codes.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)  # the format stores signed + offset
+    assert torch.equal(pack_int32(codes, bits), pack_to_int32(signed, bits))
+    assert torch.equal(unpack_from_int32(pack_int32(codes, bits), bits, codes.shape), signed)
+
+
+def transformers_logits(path, ids, dequantize):
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=CompressedTensorsConfig(
+        dequantize=dequantize))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def library_decompressed(out):
+    """{module: weight} as compressed-tensors' own pack-quantized decompressor reads the export."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    state = load_file(out / "model.safetensors")
+    weights = {}
+    for module in {k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")}:
+        group = next(g for g in config["config_groups"].values()
+                     if g["targets"] == ["Linear"] or module in g["targets"])
+        scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+        local = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == module}
+        weights[module] = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+    return weights
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(4, 64, True), QuantScheme(8, None, True)])
+def test_the_export_decompresses_to_paperbacks_weights_and_transformers_runs_it(tmp_path, scheme, tied):
+    ckpt, _ = quantized_checkpoint(tmp_path, scheme, QuantScheme(8, None, True), tied)
+    out = tmp_path / "ct"
+    summary = export_compressed_tensors(ckpt, out, "float32", progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["quant_method"] == "compressed-tensors"
+    assert ("lm_head" in config["ignore"]) == tied  # untied, the head is a packed W8 linear (a second group)
+    assert len(config["config_groups"]) == (1 if tied or scheme == QuantScheme(8, None, True) else 2)
+    assert summary["dense"] == ["model.embed_tokens"]
+    # Every packed module, read by the library's own decompressor, is paperback's weight bit for bit.
+    paperback = load_model(str(ckpt), with_tokenizer=False).model
+    decompressed = library_decompressed(out)
+    assert len(decompressed) == 14 + (0 if tied else 1)
+    for module, weight in decompressed.items():
+        assert torch.equal(weight, paperback.get_submodule(module).dequantized_weight()), module
+    # transformers loads it and computes paperback's logits: dequantized at load (it takes one scheme for every
+    # dense layer, so a mixed export cannot load that way), or kept packed (symmetric only: in transformers
+    # 5.24 + compressed-tensors 0.20 the packed empty model expects zero points unpacked, (out, groups),
+    # while the format, and the library's own compressor, pack them).
+    modes = ([True] if len(config["config_groups"]) == 1 else []) + ([False] if scheme.symmetric else [])
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        mine = paperback(ids)
+    for dequantize in modes:
+        assert torch.allclose(transformers_logits(out, ids, dequantize), mine, atol=1e-5, rtol=1e-5)
+    if modes:  # float16 (the default, for GPUs): scales exact, norms and the dense embedding rounded
+        export_compressed_tensors(ckpt, tmp_path / "ct16", progress=False)
+        half = transformers_logits(tmp_path / "ct16", ids, modes[0]).float()
+        assert (half - mine).abs().max() <= 2e-2 * mine.abs().max()
+
+
+def test_schemes_the_format_cannot_hold_are_refused_before_writing(tmp_path, capsys):
+    ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(3, 64), QuantScheme(8, None, True))
+    with pytest.raises(PaperbackError, match="W3a-g64: compressed-tensors pack-quantized holds 2, 4 or 8 bits"):
+        export_compressed_tensors(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial*"))
+    (tmp_path / "b").mkdir()
+    ckpt, _ = quantized_checkpoint(tmp_path / "b", QuantScheme(4, 96), QuantScheme(8, None, True))
+    assert main(["export", str(ckpt), "--format", "compressed-tensors", "-o", str(tmp_path / "out")]) == 2
+    assert "groups that divide the row (here: g32, g64, g128" in capsys.readouterr().err
+    assert main(["export", str(ckpt), "--format", "gguf", "--dtype", "float32", "-o", str(tmp_path / "o")]) == 2
+    assert "--dtype applies to compressed-tensors" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_export_scores_wikitext_as_paperback_does_in_transformers(tmp_path, capsys):
+    ckpt = tmp_path / "smol"
+    assert main(["quantize", "smollm2", "--method", "rtn", "--group-size", "64", "-o", str(ckpt), "--json"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "smol-ct"
+    assert main(["export", str(ckpt), "--format", "compressed-tensors", "--dtype", "float32", "-o", str(out),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schemes"] == {"W4a-g64": 210}
+    from paperback.evaluation import load_text
+
+    fitted = load_model(str(ckpt))
+    ids = torch.tensor([fitted.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)[:512]])
+    with torch.no_grad():
+        mine = fitted.model(ids)
+    theirs = transformers_logits(out, ids, True)
+    assert (theirs - mine).abs().max() <= 1e-3 * mine.abs().max()
