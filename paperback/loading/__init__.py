@@ -136,7 +136,17 @@ def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> L
     else:
         hf_dir = HFModelDir(source.path)
         config = hf_dir.config()
-        model = assemble_model(config, hf_dir.tensors(config), dtype, source.label)
+        if "quantization_config" in hf_dir.hf_config:  # quantized elsewhere: packed layers as stored
+            from paperback.loading.compressed_tensors_import import import_plan, translate
+            from paperback.quantization.checkpoint import prepare_quantized_model
+
+            where = str(source.path / "config.json")
+            schemes = import_plan(hf_dir.hf_config, hf_dir.tensor_names(), where)
+            layers = {"layers": {f"{m}.weight": {"scheme": s.to_dict()} for m, s in schemes.items()}}
+            model = assemble_model(config, translate(hf_dir.tensors(config), schemes, where), dtype, source.label,
+                                   prepare=lambda m: prepare_quantized_model(m, layers))
+        else:
+            model = assemble_model(config, hf_dir.tensors(config), dtype, source.label)
         tokenizer = tokenizer_from_dir(source.path, _generation_eos(source.path)) if with_tokenizer else None
     return LoadedModel(model, tokenizer, config, source, dtype)
 

@@ -157,6 +157,19 @@ class HFModelDir:
         for name, tensor in read_safetensors(self.shards):
             yield _strip_language_prefix(name), tensor
 
+    def tensor_names(self) -> list[str]:
+        """Every stored tensor's name (from the files' headers alone)."""
+        from safetensors import SafetensorError, safe_open
+
+        names = []
+        for shard in self.shards:
+            try:
+                with safe_open(shard, framework="pt") as f:
+                    names += [_strip_language_prefix(k) for k in f.keys()]
+            except (SafetensorError, OSError) as exc:
+                raise ModelFileError(f"{shard} is not a readable safetensors file: {exc}") from None
+        return names
+
 
 def read_safetensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the given safetensors files; damaged files raise ModelFileError."""

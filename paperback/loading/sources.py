@@ -34,7 +34,8 @@ BUNDLED_MODELS = {
         "Gemma 3 270M (base), GGUF Q4_K_M",
     ),
 }
-ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3", "gemma-3-270m": "gemma3"}
+ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3",
+           "gemma-3-270m": "gemma3"}
 
 
 @dataclass(frozen=True)

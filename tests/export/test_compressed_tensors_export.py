@@ -112,3 +112,50 @@ def test_smollm2_export_scores_wikitext_as_paperback_does_in_transformers(tmp_pa
         mine = fitted.model(ids)
     theirs = transformers_logits(out, ids, True)
     assert (theirs - mine).abs().max() <= 1e-3 * mine.abs().max()
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(4, 64, True), QuantScheme(2, 32)])
+def test_export_then_import_is_lossless(tmp_path, scheme):
+    """paperback reads the export back into packed layers: the same codes, scales and zero points, bit for bit."""
+    from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
+
+    ckpt, _ = quantized_checkpoint(tmp_path, scheme, QuantScheme(8, None, True), tied=False)
+    export_compressed_tensors(ckpt, tmp_path / "ct", "float16", progress=False)
+    original = load_model(str(ckpt), with_tokenizer=False).model
+    imported = load_model(str(tmp_path / "ct"), with_tokenizer=False).model
+    layers = {n: m for n, m in original.named_modules() if isinstance(m, QuantLinear)
+              and not isinstance(m, QuantEmbedding)}
+    assert len(layers) == 15  # 14 block linears and the untied head
+    for name, layer in layers.items():
+        other = imported.get_submodule(name)
+        assert isinstance(other, QuantLinear) and other.scheme == layer.scheme
+        for buffer in ("qweight", "scales", "qzeros"):
+            mine, theirs = getattr(layer, buffer), getattr(other, buffer)
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs), (name, buffer)
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():  # the norms and the dense embedding went through fp16
+        a, b = original(ids), imported(ids)
+    assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+
+def test_checkpoints_paperback_cannot_run_are_refused_by_name(tmp_path, capsys):
+    ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(4, 32), QuantScheme(8, None, True), tied=False)
+    out = tmp_path / "ct"
+    export_compressed_tensors(ckpt, out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+
+    def refused(change, message):
+        edited = json.loads(json.dumps(config))
+        change(edited["quantization_config"])
+        (out / "config.json").write_text(json.dumps(edited))
+        assert main(["eval", str(out), "--max-windows", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    refused(lambda q: q.update(quant_method="gptq"), "quantization method 'gptq' is not supported yet")
+    refused(lambda q: q.update(format="marlin-24"), "compression format 'marlin-24'")
+    refused(lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
+            "quantizes input activations")
+    refused(lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "activation order 'group'")
+    refused(lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"), "stores float weights")
+    refused(lambda q: q.update(config_groups={}), "has no config_groups")
