@@ -103,8 +103,13 @@ def run(args: argparse.Namespace) -> int:
     base = report["rows"][0]
     note(f"bottleneck with {base['weights']} weights and a {base['kv']} cache: {verdict['bottleneck']}")
     note(f"lever: {verdict['lever']}" if verdict["lever"] else verdict["nearest"])
-    note(f"vLLM: vllm serve MODEL {report['flags']['vllm']}")
-    note(f"llama.cpp: llama-server -m MODEL.gguf {report['flags']['llama_cpp']}")
+    flags = report["flags"]
+    note(f"vLLM: vllm serve {flags['vllm_model']} {flags['vllm']}")
+    for line in flags["vllm_notes"]:
+        note(f"  {line}")
+    note(f"llama.cpp: llama-server -m {flags['llama_cpp_model']} {flags['llama_cpp']}")
+    for line in flags["llama_cpp_notes"]:
+        note(f"  {line}")
     if args.plot:
         note(f"plot: {args.plot}")
     return 0

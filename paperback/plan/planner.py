@@ -10,6 +10,7 @@ makes the workload fit. Flags translate a plan for vLLM and llama.cpp.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -32,7 +33,14 @@ ATTENTION_KEYS_PER_STEP = 512  # keys the paged attention scores at once (32 blo
 WEIGHT_SCHEMES = ("fp16", "W8", "W4", "W3")
 KV_FORMATS = ("fp16", "fp8", "int8", "int4", "kivi2")
 # llama.cpp cache types by KV format (-ctk / -ctv); vLLM --kv-cache-dtype
-LLAMA_CPP_KV = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "int8": "q8_0", "int4": "q4_0"}
+# paperback's int8 / int4 caches are per token in groups of 32 channels with a scale and a minimum: llama.cpp's
+# q8_0 holds 8-bit groups of 32 (symmetric) and q4_1 is 4-bit groups of 32 with a scale and a minimum.
+LLAMA_CPP_KV = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "int8": "q8_0", "int4": "q4_1"}
+# What vLLM holds on the GPU besides weights and KV blocks, as the fraction --gpu-memory-utilization covers:
+# the CUDA context and cuBLAS workspaces (about 0.5 GiB), CUDA graphs (about 1 GiB at the default capture sizes)
+# and the activations of one scheduled batch. Stated, not measured here (no GPU); vLLM's own profiling at start
+# shrinks the KV pool if it is short.
+CUDA_ALLOWANCE = 2 * 2 ** 30
 VLLM_KV = {"fp16": "auto", "bf16": "auto", "fp8": "fp8_e4m3", "fp8-e4m3": "fp8_e4m3", "fp8-e5m2": "fp8_e5m2"}
 
 
@@ -165,7 +173,7 @@ def plan(shape: ModelShape, memory: int, context: int, users: int, weight_scheme
     chosen = verdict.get("lever_row") or base.to_dict()
     return {"model": shape.name, "source": shape.source, "memory": memory, "context": context, "users": users,
             "allowance": allowance.to_dict(), "rows": [r.to_dict() for r in rows], "verdict": verdict,
-            "flags": hand_off_flags(chosen, context, users, memory)}
+            "flags": hand_off_flags(chosen, context, users, memory, shape)}
 
 
 def kv_capacity(shape: ModelShape, kv_formats, kv_memory: int, kv_policies: dict[str, KVPolicy] | None = None,
@@ -187,22 +195,54 @@ def kv_capacity(shape: ModelShape, kv_formats, kv_memory: int, kv_policies: dict
     return rows
 
 
-def hand_off_flags(row: dict, context: int, users: int, memory: int) -> dict:
-    """The same plan as vLLM and llama.cpp command-line settings."""
+def hand_off_flags(row: dict, context: int, users: int, memory: int, shape: ModelShape | None = None) -> dict:
+    """The same plan as vLLM and llama.cpp command lines: the model each engine reads (a paperback export for
+    quantized weights), the flags, and notes on what an engine cannot take as planned."""
     weights, kv = row["weights"], row["kv"]
-    vllm = [f"--max-model-len {context}", f"--max-num-seqs {users}",
-            f"--gpu-memory-utilization {min(0.95, max(0.05, row['total_bytes'] / memory)):.2f}"]
-    if weights.startswith("W4") or weights.startswith("W3") or weights.startswith("W2"):
-        vllm.insert(0, "--quantization gptq")
-    elif weights.startswith("W8"):
-        vllm.insert(0, "--quantization compressed-tensors")
-    vllm.append(f"--kv-cache-dtype {VLLM_KV[kv]}" if kv in VLLM_KV else
-                f"# vLLM has no {kv} KV cache; closest: --kv-cache-dtype fp8_e4m3")
-    cpp = [f"-c {context * users}", f"-np {users}"]
-    if kv in LLAMA_CPP_KV:
-        cpp += [f"-ctk {LLAMA_CPP_KV[kv]}", f"-ctv {LLAMA_CPP_KV[kv]}"]
-        if LLAMA_CPP_KV[kv].startswith("q"):
-            cpp.append("-fa on")  # llama.cpp quantizes the V cache only with flash attention
+    ours = weights.endswith("(this checkpoint)")
+    scheme = None if ours else parse_weight_scheme(weights)
+    bits = scheme.bits if isinstance(scheme, QuantScheme) else None
+    vllm_notes, cpp_notes = [], []
+    vllm_model, cpp_model = "MODEL", "MODEL.gguf"
+    if ours or bits in (4, 8):
+        vllm_model, cpp_model = "EXPORT", "EXPORT.gguf"
+        vllm_notes.append("EXPORT: paperback export CKPT --format compressed-tensors -o EXPORT (vLLM reads its "
+                          "quantization_config; no --quantization flag)")
+        cpp_notes.append("EXPORT.gguf: paperback export CKPT --format gguf -o EXPORT.gguf")
+    elif bits is not None:
+        vllm_notes.append(f"vLLM has no kernel for {bits}-bit compressed-tensors weights: quantize to W4 or W8")
+        cpp_notes.append(f"no GGUF block type holds {bits}-bit codes as they are: quantize to W4 or W8")
+    vllm = [f"--max-model-len {context}", f"--max-num-seqs {users}"]
+    vllm_kv = row["kv_bytes_at_context"]
+    if kv not in VLLM_KV and shape is not None:  # vLLM holds the cache in fp8 instead
+        vllm_kv = kv_bytes(shape, context, "fp8", users)
+    gpu_bytes = row["weight_bytes"] + vllm_kv + CUDA_ALLOWANCE
+    if gpu_bytes <= 0.95 * memory:
+        vllm.append(f"--gpu-memory-utilization {math.ceil(100 * gpu_bytes / memory) / 100:.2f}")
+        vllm_notes.append(f"--gpu-memory-utilization: (weights + KV + {CUDA_ALLOWANCE / 2**30:.0f} GiB CUDA "
+                          f"allowance) / {memory / 2**30:,.0f} GiB of GPU memory")
     else:
-        cpp.append(f"# llama.cpp has no {kv} cache type; closest: -ctk q4_0 -ctv q4_0 -fa on")
-    return {"vllm": " ".join(vllm), "llama_cpp": " ".join(cpp)}
+        vllm_notes.append(f"--gpu-memory-utilization omitted: weights + KV + {CUDA_ALLOWANCE / 2**30:.0f} GiB of "
+                          "CUDA allowance exceed 95% of this memory")
+    if kv in VLLM_KV:
+        vllm.append(f"--kv-cache-dtype {VLLM_KV[kv]}")
+    else:
+        vllm.append("--kv-cache-dtype fp8_e4m3")
+        vllm_notes.append(f"vLLM has no {kv} KV cache: fp8_e4m3 is its fewest bits")
+    cpp = [f"-c {context * users}", f"-np {users}"]
+    try:
+        stored = parse_kv_scheme(kv)
+    except PaperbackError:  # a per-layer policy's label
+        stored = None
+    cache_type = LLAMA_CPP_KV.get(kv)
+    if cache_type is None and stored is not None:
+        cache_type = "q8_0" if stored.family == "fp8" else "q4_1" if stored.bits >= 4 else "q4_0"
+        cpp_notes.append(f"llama.cpp has no {kv} cache type: {cache_type} is the closest")
+    elif cache_type is None:
+        cpp_notes.append(f"llama.cpp takes one cache type for every layer; {kv} has several")
+    if cache_type is not None:
+        cpp += [f"-ctk {cache_type}", f"-ctv {cache_type}"]
+        if cache_type.startswith("q"):
+            cpp.append("-fa on")  # llama.cpp quantizes the V cache only with flash attention
+    return {"vllm": " ".join(vllm), "vllm_model": vllm_model, "vllm_notes": vllm_notes,
+            "llama_cpp": " ".join(cpp), "llama_cpp_model": cpp_model, "llama_cpp_notes": cpp_notes}

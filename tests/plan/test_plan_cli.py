@@ -23,6 +23,31 @@ def test_worked_example_table_verdict_and_flags(capsys, tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+def test_hand_off_lines_name_what_each_engine_can_load():
+    import math
+
+    from paperback.plan.arithmetic import kv_bytes
+    from paperback.plan.planner import CUDA_ALLOWANCE, hand_off_flags
+    from paperback.plan.shape import load_shape
+
+    shape = load_shape("llama-2-7b")
+    row = {"weights": "W4", "kv": "int4", "weight_bytes": 4 * 2 ** 30, "kv_bytes_at_context": 2 * 2 ** 30}
+    flags = hand_off_flags(row, 4096, 8, 80 * 2 ** 30, shape)
+    assert flags["vllm_model"] == "EXPORT" and "--format compressed-tensors" in flags["vllm_notes"][0]
+    assert "--quantization" not in flags["vllm"]  # vLLM reads the export's quantization_config
+    # vLLM has no int4 cache: it holds fp8, and the utilization counts that, not paperback's int4 bytes.
+    fp8 = kv_bytes(shape, 4096, "fp8", 8)
+    expected = math.ceil(100 * (4 * 2 ** 30 + fp8 + CUDA_ALLOWANCE) / (80 * 2 ** 30)) / 100
+    assert f"--gpu-memory-utilization {expected:.2f}" in flags["vllm"] and "--kv-cache-dtype fp8_e4m3" in flags["vllm"]
+    assert flags["llama_cpp_model"] == "EXPORT.gguf" and "-ctk q4_1 -ctv q4_1 -fa on" in flags["llama_cpp"]
+    flags = hand_off_flags({**row, "weights": "W3", "kv": "fp8"}, 4096, 8, 80 * 2 ** 30, shape)
+    assert flags["vllm_model"] == "MODEL" and "quantize to W4 or W8" in flags["vllm_notes"][0]
+    assert "-ctk q8_0" in flags["llama_cpp"] and "q8_0 is the closest" in flags["llama_cpp_notes"][1]
+    flags = hand_off_flags({**row, "kv": "int8"}, 4096, 8, 8 * 2 ** 30, shape)  # does not fit a GPU of 8 GiB
+    assert "--gpu-memory-utilization" not in flags["vllm"] and "omitted" in " ".join(flags["vllm_notes"])
+    assert "-ctk q8_0" in flags["llama_cpp"] and not flags["llama_cpp_notes"][1:]
+
+
 def test_lever_when_the_baseline_does_not_fit(capsys):
     report = run_json(capsys, "llama-3.1-8b", "--memory", "24GiB", "--context", "32768", "--users", "4")
     verdict = report["verdict"]
