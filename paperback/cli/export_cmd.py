@@ -1,4 +1,4 @@
-"""`paperback export DIR --format gguf|compressed-tensors -o OUT`."""
+"""`paperback export DIR --format gguf|compressed-tensors|gptq|awq -o OUT`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from paperback.cli.common import add_json_arg
 from paperback.cli.output import note, print_json, print_table
 
-FORMATS = ("gguf", "compressed-tensors")
+FORMATS = ("gguf", "compressed-tensors", "gptq", "awq")
 
 
 def register(sub) -> None:
@@ -19,7 +19,8 @@ def register(sub) -> None:
                                    "blocks, for groups of 32 or a multiple of 32 or per channel, with the source "
                                    "GGUF's tokenizer and chat template. compressed-tensors: llm-compressor's "
                                    "pack-quantized layout that vLLM and transformers load, 2/4/8 bits in groups "
-                                   "that divide the rows or per channel. Other schemes are refused by name.")
+                                   "that divide the rows or per channel. gptq: AutoGPTQ's v1 layout (2/4/8 bits); "
+                                   "awq: AutoAWQ's GEMM layout (4 bits). Other schemes are refused by name.")
     p.add_argument("checkpoint", type=Path, help="a paperback checkpoint directory (`paperback quantize` or `fit`)")
     p.add_argument("--format", choices=FORMATS, default="gguf", help="output format (default gguf)")
     p.add_argument("-o", "--output", type=Path, required=True,
@@ -55,7 +56,21 @@ def run(args: argparse.Namespace) -> int:
              "with the compressed-tensors package installed")
         return 0
     if args.dtype is not None:
-        raise PaperbackError("--dtype applies to compressed-tensors; GGUF keeps fp16 block scales and F32 norms")
+        raise PaperbackError(f"--dtype applies to compressed-tensors; {args.format} stores fp16 scales and tensors")
+    if args.format in ("gptq", "awq"):
+        from paperback.export.gptq_awq_export import export_awq, export_gptq
+
+        summary = (export_gptq if args.format == "gptq" else export_awq)(args.checkpoint, args.output,
+                                                                          args.overwrite, progress=not args.json)
+        if args.json:
+            print_json(summary)
+            return 0
+        print_table(f"exported {args.checkpoint} as {args.format}", ["field", "value"],
+                    [["output", summary["output"]], ["schemes", ", ".join(f"{n} {s}" for s, n in
+                                                                            summary["schemes"].items())],
+                     ["written dense", ", ".join(summary["dense"]) or "-"], ["bytes", f"{summary['bytes']:,}"]])
+        note(f"vLLM: vllm serve {args.output}")
+        return 0
     summary = export_gguf(args.checkpoint, args.output, args.overwrite, progress=not args.json)
     if args.json:
         print_json(summary)

@@ -21,10 +21,7 @@ packed embedding is written dense (and, tied, serves as the head).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -34,9 +31,6 @@ from paperback.quantization.packing import pack_codes
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
 
 
 def check_scheme(scheme: QuantScheme, in_features: int, name: str) -> None:
@@ -78,79 +72,26 @@ def compressed_tensors(q: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str
     return out
 
 
-def export_compressed_tensors(checkpoint: Path, out_dir: Path, dtype: str = "float16", overwrite: bool = False,
-                              progress: bool = True) -> dict:
-    """Write `checkpoint` as a Hugging Face directory with a compressed-tensors quantization_config."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
-    from paperback.export.hf_config import hf_config
-    from paperback.loading import load_model
-    from paperback.quantization.checkpoint import publish_modes
-    from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
-
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise PaperbackError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
-    if dtype not in DTYPES:
-        raise PaperbackError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    lm = load_model(str(checkpoint), "fp32", with_tokenizer=(checkpoint / "tokenizer.json").is_file())
-    model, torch_dtype = lm.model, DTYPES[dtype]
-    packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    linears = {n: m for n, m in packed.items() if not isinstance(m, QuantEmbedding)}
-    for name, module in linears.items():  # every refusal before a byte is written
-        check_scheme(module.scheme, module.in_features, name)
-    state: dict[str, torch.Tensor] = {}
-    by_scheme: dict[QuantScheme, list[str]] = {}
-    for name, module in tqdm(packed.items(), desc="export compressed-tensors", unit="layer",
-                             disable=None if progress else True, leave=False):
-        q = module.to_quantized()
-        if name in linears:
-            by_scheme.setdefault(module.scheme, []).append(name)
-            state.update({f"{name}.{k}": v for k, v in compressed_tensors(q, torch_dtype).items()})
-            if module.bias is not None:
-                state[f"{name}.bias"] = module.bias.detach().to(torch_dtype)
-        else:  # the embedding: a lookup table, not a Linear the format quantizes
-            state[f"{name}.weight"] = q.dequantize(torch.float32).to(torch_dtype)
-    for name, param in model.named_parameters():
-        if name.rpartition(".")[0] not in packed:
-            state[name] = param.detach().to(torch_dtype).contiguous()
-    unpacked_linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in packed]
-    if lm.config.tie_word_embeddings:  # transformers' tied head is a Linear over the (dense) embedding
-        unpacked_linears.append("lm_head")
+def ct_config(by_scheme: dict[QuantScheme, list[str]], ignore: list[str]) -> dict:
+    """compressed-tensors' quantization_config: one group for the whole model, or one per scheme naming its
+    modules (a fitted checkpoint's mix)."""
     if len(by_scheme) == 1:
         scheme, = by_scheme
         groups = {"group_0": {"targets": ["Linear"], "weights": quantization_args(scheme),
                               "input_activations": None, "output_activations": None}}
-    else:  # a mixed checkpoint (fit): one group per scheme, naming its modules
+    else:
         groups = {f"group_{i}": {"targets": sorted(names), "weights": quantization_args(scheme),
                                  "input_activations": None, "output_activations": None}
                   for i, (scheme, names) in enumerate(sorted(by_scheme.items(), key=lambda kv: kv[0].label))}
-    tokenizer = lm.tokenizer
-    eos = sorted(getattr(tokenizer, "eos_token_ids", ()))
-    config = hf_config(lm.config, dtype, getattr(tokenizer, "bos_token_id", None),
-                       (eos[0] if len(eos) == 1 else eos) or None)
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": groups, "ignore": sorted(unpacked_linears), "kv_cache_scheme": None,
-        "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}, "version": "0.20.0"}
-    tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for name in TOKENIZER_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copyfile(checkpoint / name, tmp / name)
-        publish_modes(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {"output": str(out_dir), "format": "compressed-tensors", "dtype": dtype,
-            "schemes": {s.label: len(n) for s, n in by_scheme.items()}, "dense": sorted(set(packed) - set(linears)),
-            "ignore": sorted(unpacked_linears),
-            "bytes": sum(f.stat().st_size for f in out_dir.iterdir())}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": groups, "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "sparsity_config": {}, "transform_config": {}, "version": "0.20.0"}
+
+
+def export_compressed_tensors(checkpoint: Path, out_dir: Path, dtype: str = "float16", overwrite: bool = False,
+                              progress: bool = True) -> dict:
+    """Write `checkpoint` as a Hugging Face directory with a compressed-tensors quantization_config."""
+    from paperback.export.hf_export import HFFormat, export_hf
+
+    fmt = HFFormat("compressed-tensors", check_scheme, compressed_tensors, ct_config, one_scheme=False)
+    return export_hf(checkpoint, out_dir, fmt, dtype, overwrite, progress)
