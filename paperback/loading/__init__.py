@@ -137,13 +137,22 @@ def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> L
         hf_dir = HFModelDir(source.path)
         config = hf_dir.config()
         if "quantization_config" in hf_dir.hf_config:  # quantized elsewhere: packed layers as stored
-            from paperback.loading.compressed_tensors_import import import_plan, translate
             from paperback.quantization.checkpoint import prepare_quantized_model
 
             where = str(source.path / "config.json")
-            schemes = import_plan(hf_dir.hf_config, hf_dir.tensor_names(), where)
+            qconfig = hf_dir.hf_config["quantization_config"]
+            if isinstance(qconfig, dict) and qconfig.get("quant_method") in ("gptq", "awq"):
+                from paperback.loading.gptq_awq_import import gptq_awq_schemes, translate_gptq_awq
+
+                schemes = gptq_awq_schemes(qconfig, hf_dir.tensor_names(), where)
+                tensors = translate_gptq_awq(hf_dir.tensors(config), schemes, qconfig, where)
+            else:
+                from paperback.loading.compressed_tensors_import import import_plan, translate
+
+                schemes = import_plan(hf_dir.hf_config, hf_dir.tensor_names(), where)
+                tensors = translate(hf_dir.tensors(config), schemes, where)
             layers = {"layers": {f"{m}.weight": {"scheme": s.to_dict()} for m, s in schemes.items()}}
-            model = assemble_model(config, translate(hf_dir.tensors(config), schemes, where), dtype, source.label,
+            model = assemble_model(config, tensors, dtype, source.label,
                                    prepare=lambda m: prepare_quantized_model(m, layers))
         else:
             model = assemble_model(config, hf_dir.tensors(config), dtype, source.label)

@@ -38,8 +38,8 @@ def quantization_groups(qconfig: dict, where: str) -> list[tuple[list[str], Quan
     """[(targets, scheme)] of a compressed-tensors quantization_config, every unsupported setting refused."""
     method = qconfig.get("quant_method")
     if method != "compressed-tensors":
-        raise UnsupportedModelError(f"{where}: quantization method '{method}' is not supported yet (paperback "
-                                    "imports compressed-tensors pack-quantized checkpoints, llm-compressor's output)")
+        raise UnsupportedModelError(f"{where}: quantization method '{method}' is not supported (paperback imports "
+                                    "compressed-tensors pack-quantized, GPTQ and AWQ GEMM checkpoints)")
     if qconfig.get("format") != "pack-quantized":
         _refuse(where, f"compression format '{qconfig.get('format')}'")
     if qconfig.get("quantization_status", "compressed") != "compressed":

@@ -152,7 +152,7 @@ def test_checkpoints_paperback_cannot_run_are_refused_by_name(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
 
-    refused(lambda q: q.update(quant_method="gptq"), "quantization method 'gptq' is not supported yet")
+    refused(lambda q: q.update(quant_method="bitsandbytes"), "quantization method 'bitsandbytes' is not supported")
     refused(lambda q: q.update(format="marlin-24"), "compression format 'marlin-24'")
     refused(lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
             "quantizes input activations")

@@ -100,3 +100,52 @@ def test_what_gptq_and_awq_cannot_hold_is_refused_before_writing(tmp_path, capsy
     ckpt, _ = quantized_checkpoint(tmp_path / "c", QuantScheme(4, None, True), QuantScheme(8, None, True))
     assert main(["export", str(ckpt), "--format", "awq", "-o", str(tmp_path / "a")]) == 2
     assert "stores groups, not per-channel scales" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt, scheme", [("gptq", QuantScheme(4, 32, True)), ("gptq", QuantScheme(8, 64, True)),
+                                         ("gptq", QuantScheme(2, 32, True)), ("awq", QuantScheme(4, 32)),
+                                         ("awq", QuantScheme(4, 64))])
+def test_export_then_import_gives_the_same_packed_layers(tmp_path, fmt, scheme):
+    from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
+
+    ckpt, _ = quantized_checkpoint(tmp_path, scheme, QuantScheme(8, None, True), tied=True)
+    (export_gptq if fmt == "gptq" else export_awq)(ckpt, tmp_path / fmt, progress=False)
+    original = load_model(str(ckpt), with_tokenizer=False).model
+    imported = load_model(str(tmp_path / fmt), with_tokenizer=False).model
+    layers = {n: m for n, m in original.named_modules()
+              if isinstance(m, QuantLinear) and not isinstance(m, QuantEmbedding)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        other = imported.get_submodule(name)
+        assert isinstance(other, QuantLinear) and torch.equal(other.qweight, layer.qweight)
+        assert torch.equal(other.scales, layer.scales)
+        assert torch.equal(other.dequantized_weight(), layer.dequantized_weight())
+
+
+def test_gptq_and_awq_files_paperback_cannot_run_are_refused_by_name(tmp_path, capsys):
+    ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(4, 32, True), QuantScheme(8, None, True), tied=True)
+    out = tmp_path / "gptq"
+    export_gptq(ckpt, out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+
+    def refused(change, message):
+        edited = json.loads(json.dumps(config))
+        change(edited["quantization_config"])
+        (out / "config.json").write_text(json.dumps(edited))
+        assert main(["eval", str(out), "--max-windows", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    refused(lambda q: q.update(checkpoint_format="marlin"), "GPTQ checkpoint format 'marlin'")
+    refused(lambda q: q.update(bits=3), "GPTQ with 3-bit weights")
+    refused(lambda q: q.update(quant_method="awq", version="gemv"), "AWQ version 'gemv'")
+    # A permuted g_idx (activation order without static groups).
+    from safetensors.torch import load_file, save_file
+
+    (out / "config.json").write_text(json.dumps(config))
+    state = load_file(out / "model.safetensors")
+    name = next(k for k in state if k.endswith("g_idx"))
+    state[name] = state[name].flip(0).contiguous()
+    save_file(state, out / "model.safetensors")
+    assert main(["eval", str(out), "--max-windows", "1"]) == 2
+    assert "activation-ordered groups" in capsys.readouterr().err
