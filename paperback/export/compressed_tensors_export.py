@@ -72,6 +72,35 @@ def compressed_tensors(q: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str
     return out
 
 
+FP8_KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def kv_cache_part(lm, policy_spec: dict | None) -> tuple[dict | None, dict[str, torch.Tensor], str]:
+    """(kv_cache_scheme, per-layer k_scale / v_scale tensors, what was done) for a fitted checkpoint's KV policy:
+    vLLM's one quantized KV format is FP8 E4M3 with a scale per layer, so a policy that is that in every layer
+    is written as llm-compressor writes it (scales 1.0, or calibrated: the layer's largest |k| and |v| over
+    E4M3's 448, as `paperback serve` calibrates); any other policy is left to the serving flags."""
+    from paperback.engine.llm import default_kv_amax
+    from paperback.kv.calibrate import fp8_scale
+    from paperback.kv.policy import build_policy
+
+    if policy_spec is None:
+        return None, {}, "no KV policy in the checkpoint"
+    policy = build_policy(lm.config, spec=policy_spec)
+    schemes = [policy.scheme_for(i) for i in range(lm.config.num_layers)]
+    if not all(s.family == "fp8" and s.dtype == "e4m3" and not s.sink and not s.window for s in schemes):
+        labels = sorted({s.label for s in schemes})
+        return None, {}, (f"KV policy {', '.join(labels)} has no compressed-tensors form (vLLM's is FP8 E4M3 in "
+                          "every layer); serve with --kv-cache-dtype")
+    amax = default_kv_amax(lm) if any(s.scale == "calibrated" for s in schemes) else None
+    tensors = {}
+    for i, scheme in enumerate(schemes):
+        for name, j in (("k_scale", 0), ("v_scale", 1)):
+            value = fp8_scale(amax[i][j], "e4m3", False) if scheme.scale == "calibrated" else torch.tensor(1.0)
+            tensors[f"model.layers.{i}.self_attn.{name}"] = value.reshape(()).float()
+    return FP8_KV, tensors, "FP8 E4M3 KV cache" + (" with calibrated scales" if amax is not None else "")
+
+
 def ct_config(by_scheme: dict[QuantScheme, list[str]], ignore: list[str]) -> dict:
     """compressed-tensors' quantization_config: one group for the whole model, or one per scheme naming its
     modules (a fitted checkpoint's mix)."""
@@ -93,5 +122,6 @@ def export_compressed_tensors(checkpoint: Path, out_dir: Path, dtype: str = "flo
     """Write `checkpoint` as a Hugging Face directory with a compressed-tensors quantization_config."""
     from paperback.export.hf_export import HFFormat, export_hf
 
-    fmt = HFFormat("compressed-tensors", check_scheme, compressed_tensors, ct_config, one_scheme=False)
+    fmt = HFFormat("compressed-tensors", check_scheme, compressed_tensors, ct_config, one_scheme=False,
+                   kv_cache=kv_cache_part)
     return export_hf(checkpoint, out_dir, fmt, dtype, overwrite, progress)

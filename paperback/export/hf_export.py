@@ -31,6 +31,8 @@ class HFFormat:
     # GPTQ and AWQ configs hold one scheme for the model: a packed head at another scheme is written dense,
     # a block linear at another scheme is refused.
     one_scheme: bool = True
+    # (loaded checkpoint, its KV policy spec or None) -> (kv_cache_scheme, extra tensors, note); None: not held
+    kv_cache: Callable | None = None
 
 
 def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "float16", overwrite: bool = False,
@@ -87,6 +89,14 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
     config = hf_config(lm.config, dtype, getattr(tokenizer, "bos_token_id", None),
                        (eos[0] if len(eos) == 1 else eos) or None)
     config["quantization_config"] = fmt.quantization_config(by_scheme, sorted(ignore))
+    from paperback.quantization.checkpoint import checkpoint_kv_policy
+
+    policy = checkpoint_kv_policy(checkpoint)
+    kv_note = None if policy is None else f"the checkpoint's KV policy is not held by {fmt.name}"
+    if fmt.kv_cache is not None:
+        kv_scheme, kv_tensors, kv_note = fmt.kv_cache(lm, policy)
+        config["quantization_config"]["kv_cache_scheme"] = kv_scheme
+        state.update(kv_tensors)
     tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -105,5 +115,5 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
         raise
     return {"output": str(out_dir), "format": fmt.name, "dtype": dtype,
             "schemes": {s.label: len(n) for s, n in by_scheme.items()},
-            "dense": sorted(set(packed) - set(linears)), "ignore": sorted(ignore),
+            "dense": sorted(set(packed) - set(linears)), "ignore": sorted(ignore), "kv_cache": kv_note,
             "bytes": sum(f.stat().st_size for f in out_dir.iterdir())}

@@ -159,3 +159,53 @@ def test_checkpoints_paperback_cannot_run_are_refused_by_name(tmp_path, capsys):
     refused(lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "activation order 'group'")
     refused(lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"), "stores float weights")
     refused(lambda q: q.update(config_groups={}), "has no config_groups")
+
+
+def with_kv_policy(ckpt, spec):
+    recipe = json.loads((ckpt / "recipe.json").read_text())
+    (ckpt / "recipe.json").write_text(json.dumps({**recipe, "kv_policy": spec}))
+
+
+def test_an_fp8_kv_policy_is_written_as_llm_compressor_writes_it(tmp_path):
+    ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(4, 32, True), QuantScheme(8, None, True))
+    with_kv_policy(ckpt, {"default": "fp8"})
+    summary = export_compressed_tensors(ckpt, tmp_path / "ct", "float32", progress=False)
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                         "symmetric": True}
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "ct" / "model.safetensors")
+    for i in range(2):
+        assert state[f"model.layers.{i}.self_attn.k_scale"].item() == 1.0
+        assert state[f"model.layers.{i}.self_attn.v_scale"].item() == 1.0
+    assert summary["kv_cache"] == "FP8 E4M3 KV cache"
+    # transformers loads the scales with the weights (it computes attention exactly; vLLM stores the cache in FP8).
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(transformers_logits(tmp_path / "ct", ids, True),
+                              load_model(str(ckpt), with_tokenizer=False).model(ids), atol=1e-5, rtol=1e-5)
+    # Anything else has no compressed-tensors form: the export says so and writes no KV scheme.
+    with_kv_policy(ckpt, {"default": "int8", "layers": {"0": "fp16"}})
+    summary = export_compressed_tensors(ckpt, tmp_path / "ct2", progress=False)
+    assert json.loads((tmp_path / "ct2" / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] is None
+    assert "has no compressed-tensors form" in summary["kv_cache"]
+
+
+@pytest.mark.slow
+def test_calibrated_fp8_scales_are_the_layers_largest_values_over_448(tmp_path, capsys):
+    from paperback.engine.llm import default_kv_amax
+
+    ckpt = tmp_path / "smol"
+    assert main(["quantize", "smollm2", "--method", "rtn", "--group-size", "64", "--sym", "-o", str(ckpt),
+                 "--json"]) == 0
+    capsys.readouterr()
+    with_kv_policy(ckpt, {"default": "fp8:scale=calibrated"})
+    export_compressed_tensors(ckpt, tmp_path / "ct", progress=False)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "ct" / "model.safetensors")
+    amax = default_kv_amax(load_model(str(ckpt)))
+    for i in (0, 29):
+        assert state[f"model.layers.{i}.self_attn.k_scale"].item() == pytest.approx(amax[i][0].max().item() / 448)
+        assert state[f"model.layers.{i}.self_attn.v_scale"].item() == pytest.approx(amax[i][1].max().item() / 448)
