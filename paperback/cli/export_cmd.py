@@ -38,38 +38,29 @@ def run(args: argparse.Namespace) -> int:
     from paperback.errors import PaperbackError
     from paperback.export.compressed_tensors_export import export_compressed_tensors
     from paperback.export.gguf_export import export_gguf
+    from paperback.export.gptq_awq_export import export_awq, export_gptq
 
     if not (args.checkpoint / "recipe.json").is_file():
         raise PaperbackError(f"{args.checkpoint} is not a paperback checkpoint (no recipe.json); quantize a model "
                              "with `paperback quantize` first")
-    if args.format == "compressed-tensors":
-        summary = export_compressed_tensors(args.checkpoint, args.output, args.dtype or "float16", args.overwrite,
-                                            progress=not args.json)
-        if args.json:
-            print_json(summary)
-            return 0
-        print_table(f"exported {args.checkpoint} as compressed-tensors", ["field", "value"],
-                    [["output", summary["output"]], ["schemes", ", ".join(f"{n} {s}" for s, n in
-                                                                            summary["schemes"].items())],
-                     ["written dense", ", ".join(summary["dense"]) or "-"], ["bytes", f"{summary['bytes']:,}"]])
-        note(f"vLLM: vllm serve {args.output}; transformers: AutoModelForCausalLM.from_pretrained('{args.output}') "
-             "with the compressed-tensors package installed")
-        return 0
-    if args.dtype is not None:
+    if args.format != "compressed-tensors" and args.dtype is not None:
         raise PaperbackError(f"--dtype applies to compressed-tensors; {args.format} stores fp16 scales and tensors")
-    if args.format in ("gptq", "awq"):
-        from paperback.export.gptq_awq_export import export_awq, export_gptq
-
-        summary = (export_gptq if args.format == "gptq" else export_awq)(args.checkpoint, args.output,
-                                                                          args.overwrite, progress=not args.json)
+    hf_formats = {"compressed-tensors": lambda: export_compressed_tensors(
+                      args.checkpoint, args.output, args.dtype or "float16", args.overwrite, progress=not args.json),
+                  "gptq": lambda: export_gptq(args.checkpoint, args.output, args.overwrite, progress=not args.json),
+                  "awq": lambda: export_awq(args.checkpoint, args.output, args.overwrite, progress=not args.json)}
+    if args.format in hf_formats:
+        summary = hf_formats[args.format]()
         if args.json:
             print_json(summary)
             return 0
         print_table(f"exported {args.checkpoint} as {args.format}", ["field", "value"],
-                    [["output", summary["output"]], ["schemes", ", ".join(f"{n} {s}" for s, n in
-                                                                            summary["schemes"].items())],
-                     ["written dense", ", ".join(summary["dense"]) or "-"], ["bytes", f"{summary['bytes']:,}"]])
-        note(f"vLLM: vllm serve {args.output}")
+                    [["output", summary["output"]],
+                     ["schemes", ", ".join(f"{n} {s}" for s, n in summary["schemes"].items())],
+                     ["written dense", ", ".join(summary["dense"]) or "-"],
+                     ["KV cache", summary["kv_cache"] or "-"], ["bytes", f"{summary['bytes']:,}"]])
+        note(f"vLLM: vllm serve {args.output}; transformers: AutoModelForCausalLM.from_pretrained('{args.output}')"
+             + (" with the compressed-tensors package installed" if args.format == "compressed-tensors" else ""))
         return 0
     summary = export_gguf(args.checkpoint, args.output, args.overwrite, progress=not args.json)
     if args.json:

@@ -5,7 +5,6 @@ format shares (config.json, tokenizer files, the tensors left dense, an atomic w
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,11 +41,11 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
 
     from paperback.export.hf_config import hf_config
     from paperback.loading import load_model
-    from paperback.quantization.checkpoint import publish_modes
+    from paperback.quantization.checkpoint import atomic_directory
     from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # before loading anything
         raise PaperbackError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
     if dtype not in DTYPES:
         raise PaperbackError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
@@ -97,22 +96,12 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
         kv_scheme, kv_tensors, kv_note = fmt.kv_cache(lm, policy)
         config["quantization_config"]["kv_cache_scheme"] = kv_scheme
         state.update(kv_tensors)
-    tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out_dir, overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
                 shutil.copyfile(checkpoint / name, tmp / name)
-        publish_modes(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"output": str(out_dir), "format": fmt.name, "dtype": dtype,
             "schemes": {s.label: len(n) for s, n in by_scheme.items()},
             "dense": sorted(set(packed) - set(linears)), "ignore": sorted(ignore), "kv_cache": kv_note,

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -60,12 +61,7 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise PaperbackError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
-    tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out_dir, overwrite) as tmp:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -76,6 +72,21 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
                        "model_config": model.config.to_dict(), **recipe,
                        "weights_sha256": weights_digest(tmp / WEIGHTS_FILE)}
         (tmp / RECIPE_FILE).write_text(json.dumps(full_recipe, indent=2))
+    return out_dir
+
+
+@contextmanager
+def atomic_directory(out_dir: Path, overwrite: bool = False):
+    """A temporary sibling of `out_dir` to write into; on success it is made readable (publish_modes) and
+    renamed into place, on any error or Ctrl-C removed, so a half-written directory never looks complete."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise PaperbackError(f"{out_dir} exists and is not empty; pass --overwrite to replace it")
+    tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         publish_modes(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -83,7 +94,6 @@ def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, ov
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def publish_modes(directory: Path) -> None:

@@ -13,7 +13,7 @@ from paperback.export.compressed_tensors_export import export_compressed_tensors
 from paperback.loading import load_model
 from paperback.quantization import QuantScheme
 
-from test_gguf_export import quantized_checkpoint
+from test_gguf_export import quantized_checkpoint, refuses_quantization_config
 
 
 @pytest.mark.parametrize("bits, cols", [(2, 64), (4, 128), (4, 72), (8, 40)])
@@ -142,15 +142,7 @@ def test_checkpoints_paperback_cannot_run_are_refused_by_name(tmp_path, capsys):
     ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(4, 32), QuantScheme(8, None, True), tied=False)
     out = tmp_path / "ct"
     export_compressed_tensors(ckpt, out, progress=False)
-    config = json.loads((out / "config.json").read_text())
-
-    def refused(change, message):
-        edited = json.loads(json.dumps(config))
-        change(edited["quantization_config"])
-        (out / "config.json").write_text(json.dumps(edited))
-        assert main(["eval", str(out), "--max-windows", "1"]) == 2
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err, err
+    refused = refuses_quantization_config(out, capsys)
 
     refused(lambda q: q.update(quant_method="bitsandbytes"), "quantization method 'bitsandbytes' is not supported")
     refused(lambda q: q.update(format="marlin-24"), "compression format 'marlin-24'")

@@ -42,6 +42,22 @@ def test_rope_row_permutation_round_trips():
     assert np.array_equal(unpermute_rope_rows(permute_rope_rows(rows, 4), 4), rows)
 
 
+def refuses_quantization_config(out, capsys):
+    """A function (change, message): edit a copy of `out`'s quantization_config with `change`, and check that
+    loading the directory is refused with `message` on one line, no traceback."""
+    config = json.loads((out / "config.json").read_text())
+
+    def refused(change, message):
+        edited = json.loads(json.dumps(config))
+        change(edited["quantization_config"])
+        (out / "config.json").write_text(json.dumps(edited))
+        assert main(["eval", str(out), "--max-windows", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    return refused
+
+
 def quantized_checkpoint(tmp_path, scheme, edge, tied=True):
     hf = tiny_llama_hf(num_hidden_layers=2, hidden_size=128, intermediate_size=256, tie_word_embeddings=tied)
     source = write_llama_gguf(hf, tmp_path / "tiny.gguf")

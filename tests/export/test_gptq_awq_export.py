@@ -13,7 +13,7 @@ from paperback.export.gptq_awq_export import export_awq, export_gptq
 from paperback.loading import load_model
 from paperback.quantization import QuantScheme
 
-from test_gguf_export import quantized_checkpoint
+from test_gguf_export import quantized_checkpoint, refuses_quantization_config
 
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -147,15 +147,8 @@ def test_gptq_and_awq_files_paperback_cannot_run_are_refused_by_name(tmp_path, c
     ckpt, _ = quantized_checkpoint(tmp_path, QuantScheme(4, 32, True), QuantScheme(8, None, True), tied=True)
     out = tmp_path / "gptq"
     export_gptq(ckpt, out, progress=False)
-    config = json.loads((out / "config.json").read_text())
-
-    def refused(change, message):
-        edited = json.loads(json.dumps(config))
-        change(edited["quantization_config"])
-        (out / "config.json").write_text(json.dumps(edited))
-        assert main(["eval", str(out), "--max-windows", "1"]) == 2
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err, err
+    written = (out / "config.json").read_text()
+    refused = refuses_quantization_config(out, capsys)
 
     refused(lambda q: q.update(checkpoint_format="marlin"), "GPTQ checkpoint format 'marlin'")
     refused(lambda q: q.update(bits=3), "GPTQ with 3-bit weights")
@@ -163,7 +156,7 @@ def test_gptq_and_awq_files_paperback_cannot_run_are_refused_by_name(tmp_path, c
     # A permuted g_idx (activation order without static groups).
     from safetensors.torch import load_file, save_file
 
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(written)
     state = load_file(out / "model.safetensors")
     name = next(k for k in state if k.endswith("g_idx"))
     state[name] = state[name].flip(0).contiguous()
