@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
 from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
-from paperback.allocate.candidates import DEFAULT_CANDIDATES, head_candidates  # noqa: E402
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, head_candidates, within_additivity  # noqa: E402
 from paperback.allocate.second_pass import SecondPass  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import evaluate, load_text  # noqa: E402
@@ -53,7 +53,7 @@ def paperback_policy(allocator: Allocator, budget: int, second: SecondPass, coun
     """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
     solutions by head scheme, measured whole on the profiled part of pydoc, the least KL kept."""
     candidates = head_candidates(allocator.weight_groups(), budget, count)
-    best = second.choose(candidates)
+    best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")))
     schemes = allocator.schemes
     policy = {p: schemes[best.chosen[u.name].label] for u in allocator.units for p in u.params}
     return policy, [{**c.summary(), "chosen": c is best} for c in candidates]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
-from paperback.allocate.candidates import DEFAULT_CANDIDATES
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, within_additivity
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
 from paperback.allocate.second_pass import SecondPass
 from paperback.allocate.units import BLOCK_UNITS, retention_label
@@ -130,9 +130,10 @@ class Fit:
 
         cfg = self.config
         candidates = allocator.candidates(cfg.candidates, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
+        plausible = within_additivity(candidates, self.profile.get("additivity"))
         second = SecondPass(self.lm.model, self.lm.tokenizer, self.text,
                             ProfileConfig.from_dict(self.profile["config"]), allocator.units, self.progress)
-        best = second.choose(candidates, lambda c: build_policy(
+        best = second.choose(plausible, lambda c: build_policy(
             self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
         return allocator.allocation_of(best), [{**c.summary(), "chosen": c is best} for c in candidates]
 

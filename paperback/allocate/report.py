@@ -211,13 +211,14 @@ def render_report(result: dict, profile: dict) -> str:
 
 
 def _second_pass_section(candidates: list[dict]) -> str:
-    if len(candidates) < 2:
+    if not candidates:
         return ""
     rows = [[html.escape(c["name"]) + (" (kept)" if c["chosen"] else ""), f"{c['predicted_kl']:.4f}",
-             f"{c['measured_kl']:.4f}", _mib(c["bytes"])] for c in candidates]
-    return ("<h3>Second pass</h3><p>The exact solve with the output head held at each of its schemes; the best "
-            "by prediction measured whole on the profiled text (a tied head's error changes every block's input, "
-            "so its cost does not add to theirs), the least measured KL kept.</p>"
+             "-" if c["measured_kl"] is None else f"{c['measured_kl']:.4f}", _mib(c["bytes"])] for c in candidates]
+    return ("<h3>Second pass</h3><p>The exact solve with the output head held at each of its schemes; those a "
+            "measurement could still rank first (within the profile's additivity check) measured whole on the "
+            "profiled text (a tied head's error changes every block's input, so its cost does not add to "
+            "theirs), the least measured KL kept. '-': ruled out by prediction alone.</p>"
             + _table(["candidate", "predicted KL", "measured KL", "allocated bytes"], rows))
 
 
