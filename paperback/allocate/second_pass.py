@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from paperback.allocate.candidates import Candidate
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, split_text
 from paperback.allocate.quantized_units import EffectiveWeight, effective_key, quantized_blocks, unit_weights
-from paperback.allocate.candidates import Candidate
 from paperback.allocate.units import HEAD_UNIT, WeightUnit, parse_weight_candidates
 from paperback.kv.policy import KVPolicy
 from paperback.quantization.rtn import quantize_rtn
+
 
 @dataclass
 class SecondPass:
@@ -77,11 +78,12 @@ class SecondPass:
                 needed.setdefault(effective_key(unit), set()).add(c.chosen[unit.name].label)
         todo = {key: {label for label in labels if (key, label) not in self._effective}
                 for key, labels in needed.items()}
+        def schemes_of(idx: int):
+            return [self.schemes[label] for label in sorted(todo.get(f"layers.{idx}", ()))]
+
         if any(todo.get(f"layers.{i}") for i in range(self.model.config.num_layers)):
-            blocks = quantized_blocks(self.model, self.split.calibration,
-                                      lambda idx: [self.schemes[label] for label in sorted(todo.get(f"layers.{idx}",
-                                                                                                     ()))],
-                                      self.config.method, PROFILE_AWQ)
+            blocks = quantized_blocks(self.model, self.split.calibration, schemes_of, self.config.method,
+                                      PROFILE_AWQ)
             for idx, effective in blocks:
                 for label, weights in effective.items():
                     self._effective[(f"layers.{idx}", label)] = weights

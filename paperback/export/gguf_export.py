@@ -175,7 +175,8 @@ def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: 
                 data = data + np.float32(arch.norm_offset)
         if arch.unpermute_qk and target.endswith(("attn_q.weight", "attn_k.weight")):
             data = permute_rope_rows(data, config.num_heads if ".attn_q." in target else config.num_kv_heads)
-        counts[qtype.name if qtype is not None else "F32"] = counts.get(qtype.name if qtype else "F32", 0) + 1
+        kind_name = qtype.name if qtype is not None else "F32"
+        counts[kind_name] = counts.get(kind_name, 0) + 1
         writer.add_tensor(target, np.ascontiguousarray(data), raw_dtype=qtype)
     linear = max((k for k in counts if k != "F32"), key=counts.get, default="F32")
     writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
