@@ -42,7 +42,7 @@ def test_quantized_tensors_dequantize_to_the_gguf_reference(tmp_path, matrix_typ
 
 @pytest.mark.parametrize("model,types", [
     ("smollm2", {"F32", "Q8_0", "Q4_1"}),
-    ("gemma3", {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}),
+    pytest.param("gemma3", {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}, marks=pytest.mark.slow),  # 40 s of k-quants
 ])
 def test_real_files_dequantize_every_tensor_type_like_gguf(model, types):
     """One tensor of every type in each bundled file equals gguf's own dequantization."""

@@ -1,8 +1,6 @@
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from paperback.models.config import ModelConfig, RopeConfig
 from paperback.models.layers import RMSNorm, attend, rope_inv_freq

@@ -1,4 +1,4 @@
-"""A seeded fuzz of 200 malformed requests at a live server: every one gets a 4xx with OpenAI's error body (or a
+"""A seeded fuzz of 120 malformed requests at a live server: every one gets a 4xx with OpenAI's error body (or a
 normal answer), never a 500; the server stays healthy, correct for the next client, and idle afterwards."""
 
 import json
@@ -64,7 +64,7 @@ def test_malformed_requests_never_500_and_hurt_no_one(live, smollm2):
     statuses = {}
     with httpx.Client(base_url=live.url, timeout=60) as client:
         reference = client.post("/v1/completions", json=BASES["/v1/completions"] | {"max_tokens": 6}).json()
-        for case in range(200):
+        for case in range(120):
             path, raw, stream = malformed(rng)
             headers = {"content-type": "application/json"}
             with client.stream("POST", path, content=raw, headers=headers) as response:
@@ -81,6 +81,6 @@ def test_malformed_requests_never_500_and_hurt_no_one(live, smollm2):
         assert client.get("/health").status_code == 200
         again = client.post("/v1/completions", json=BASES["/v1/completions"] | {"max_tokens": 6}).json()
         assert again["choices"][0]["text"] == reference["choices"][0]["text"]
-    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > 130  # the fuzz mostly hit the error paths
+    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > 78  # the fuzz mostly hit the error paths
     stats = live.wait_idle()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["blocks_used"] == 0
