@@ -119,15 +119,15 @@ def main() -> None:
 
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
-        policies = {"uniform": lambda: uniform_policy(units, allocator.schemes[label]),
-                    "llama.cpp": lambda: llama_cpp_mix(units, full.config.num_layers, candidates, budget),
+        # Each policy: ({param: scheme}, the second pass's candidates or None).
+        policies = {"uniform": lambda: (uniform_policy(units, allocator.schemes[label]), None),
+                    "llama.cpp": lambda: (llama_cpp_mix(units, full.config.num_layers, candidates, budget), None),
                     **{name: lambda name=name: paperback_policy(allocators[name], budget, second_passes[name],
                                                                 args.candidates) for name in allocators}}
         for name in args.policies:
             if (label, name) in cells:
                 continue
-            policy = policies[name]()
-            policy, second_pass = policy if isinstance(policy, tuple) else (policy, None)
+            policy, second_pass = policies[name]()
             used = policy_bytes(shapes, policy)
             if not 0.99 * budget <= used <= budget:
                 raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")

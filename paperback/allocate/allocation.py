@@ -196,7 +196,8 @@ class Allocator:
         """`allocate`'s solve once per scheme of the output head, the best `count` by predicted KL, for the
         second pass to measure (allocate.second_pass); the first is `allocate`'s own choice."""
         groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
-        self.solve_exactly(groups, self.capacity())  # the nearest feasible point named, if none fits
+        if min_bytes(groups) > self.capacity():  # refused naming the nearest feasible point, as allocate does
+            raise InfeasibleBudget(self.infeasible_message(groups))
         return head_candidates(groups, self.capacity(), count)
 
     def allocation_of(self, candidate: Candidate) -> Allocation:

@@ -16,7 +16,6 @@ evaluation text is never read: only the part the profile read.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,7 @@ from tqdm.auto import tqdm
 
 from paperback.allocate.candidates import Candidate
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
-from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, split_text
+from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, ProfileText, split_text
 from paperback.allocate.quantized_units import EffectiveWeight, effective_key, quantized_blocks, unit_weights
 from paperback.allocate.units import HEAD_UNIT, WeightUnit, parse_weight_candidates
 from paperback.kv.policy import KVPolicy
@@ -42,22 +41,28 @@ class SecondPass:
     config: ProfileConfig
     units: list[WeightUnit]
     progress: bool = True
-    seconds: float = 0.0
     _effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = field(default_factory=dict)
     _probe: ReferenceProbe | None = None
 
+    _split: ProfileText | None = None
+
     def __post_init__(self):
-        bos = self.tokenizer.bos_token_id if getattr(self.tokenizer, "adds_bos", False) else None
-        self.split = split_text(self.tokenizer.encode(self.text, add_special_tokens=False), self.config, bos,
-                                self.model.config.max_position_embeddings)
         self.schemes = {s.label: s for s in parse_weight_candidates(self.config.weight_schemes)}
+
+    @property
+    def split(self) -> ProfileText:
+        """The profiled text's windows, tokenized only when a choice is measured."""
+        if self._split is None:
+            bos = self.tokenizer.bos_token_id if getattr(self.tokenizer, "adds_bos", False) else None
+            self._split = split_text(self.tokenizer.encode(self.text, add_special_tokens=False), self.config, bos,
+                                     self.model.config.max_position_embeddings)
+        return self._split
 
     def choose(self, candidates: list[Candidate], kv_policy=None) -> Candidate:
         """The candidate with the least measured KL (each one's `measured` filled in). `kv_policy`: a
         function from a candidate to its KVPolicy, or None for an exact cache."""
         if len(candidates) == 1:
             return candidates[0]
-        start = time.perf_counter()
         self._quantize(candidates)
         if self._probe is None:
             self._probe = ReferenceProbe(self.model, self.split.head_windows, self.config.kv_chunk)
@@ -66,7 +71,6 @@ class SecondPass:
             policy: KVPolicy | None = kv_policy(c) if kv_policy is not None else None
             with swapped_weights(self.model, self._weights(c)):
                 c.measured = self._probe.kl_full(policy)
-        self.seconds += time.perf_counter() - start
         return min(candidates, key=lambda c: c.measured)
 
     def _quantize(self, candidates: list[Candidate]) -> None:

@@ -24,12 +24,12 @@ def register(sub) -> None:
     p.add_argument("checkpoint", type=Path, help="a paperback checkpoint directory (`paperback quantize` or `fit`)")
     p.add_argument("--format", choices=FORMATS, default="gguf", help="output format (default gguf)")
     p.add_argument("-o", "--output", type=Path, required=True,
-                   help="file (gguf) or directory (compressed-tensors) to write")
+                   help="file (gguf) or directory (compressed-tensors, gptq, awq) to write")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="compressed-tensors: the model dtype, of the scales and of every tensor not packed "
                         "(default float16, which holds paperback's fp16 scales exactly; float32 keeps the rest exact "
                         "too)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file or directory")
     add_json_arg(p)
     p.set_defaults(func=run)
 

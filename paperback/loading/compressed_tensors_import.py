@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from paperback.errors import ModelFileError, UnsupportedModelError
+from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
 from paperback.quantization.packing import pack_codes, unpack_codes
 from paperback.quantization.scheme import QuantScheme
 
@@ -64,7 +64,7 @@ def quantization_groups(qconfig: dict, where: str) -> list[tuple[list[str], Quan
         size = weights.get("group_size") if strategy == "group" else None
         try:
             scheme = QuantScheme(bits, size, bool(weights.get("symmetric", True)))
-        except Exception as exc:  # noqa: BLE001 - the scheme's own check says what is wrong
+        except PaperbackError as exc:  # the scheme's own check says what is wrong
             raise UnsupportedModelError(f"{where}: group '{name}': {exc}") from None
         groups.append((list(group.get("targets") or []), scheme))
     if not groups:

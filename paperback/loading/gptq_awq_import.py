@@ -87,9 +87,8 @@ def _layer(module: str, parts: dict[str, torch.Tensor], scheme: QuantScheme, awq
         codes, zeros = unpack(qweight), unpack(qzeros)  # (in, out), (G, out)
     else:
         codes, zeros = _unpack(qweight, bits, 0), _unpack(qzeros, bits, 1) + (1 if v1 else 0)
-        in_features = codes.shape[0]
         g_idx = parts["g_idx"].to(torch.int64)
-        if not torch.equal(g_idx, torch.arange(in_features) // size):
+        if not torch.equal(g_idx, torch.arange(codes.shape[0]) // size):
             raise UnsupportedModelError(f"{where}: {module} has activation-ordered groups (g_idx is not i // "
                                         f"{size}); paperback reads GPTQ with static groups")
     in_features = codes.shape[0]

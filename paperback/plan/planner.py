@@ -195,7 +195,7 @@ def kv_capacity(shape: ModelShape, kv_formats, kv_memory: int, kv_policies: dict
     return rows
 
 
-def hand_off_flags(row: dict, context: int, users: int, memory: int, shape: ModelShape | None = None) -> dict:
+def hand_off_flags(row: dict, context: int, users: int, memory: int, shape: ModelShape) -> dict:
     """The same plan as vLLM and llama.cpp command lines: the model each engine reads (a paperback export for
     quantized weights), the flags, and notes on what an engine cannot take as planned."""
     weights, kv = row["weights"], row["kv"]
@@ -212,9 +212,14 @@ def hand_off_flags(row: dict, context: int, users: int, memory: int, shape: Mode
     elif bits is not None:
         vllm_notes.append(f"vLLM has no kernel for {bits}-bit compressed-tensors weights: quantize to W4 or W8")
         cpp_notes.append(f"no GGUF block type holds {bits}-bit codes as they are: quantize to W4 or W8")
+    try:
+        stored = parse_kv_scheme(kv)
+    except PaperbackError:  # a per-layer policy's label
+        stored = None
+    vllm_dtype = VLLM_KV.get(kv) or (f"fp8_{stored.dtype}" if stored is not None and stored.family == "fp8" else None)
     vllm = [f"--max-model-len {context}", f"--max-num-seqs {users}"]
     vllm_kv = row["kv_bytes_at_context"]
-    if kv not in VLLM_KV and shape is not None:  # vLLM holds the cache in fp8 instead
+    if vllm_dtype is None:  # vLLM holds the cache in fp8 instead
         vllm_kv = kv_bytes(shape, context, "fp8", users)
     gpu_bytes = row["weight_bytes"] + vllm_kv + CUDA_ALLOWANCE
     if gpu_bytes <= 0.95 * memory:
@@ -224,16 +229,12 @@ def hand_off_flags(row: dict, context: int, users: int, memory: int, shape: Mode
     else:
         vllm_notes.append(f"--gpu-memory-utilization omitted: weights + KV + {CUDA_ALLOWANCE / 2**30:.0f} GiB of "
                           "CUDA allowance exceed 95% of this memory")
-    if kv in VLLM_KV:
-        vllm.append(f"--kv-cache-dtype {VLLM_KV[kv]}")
+    if vllm_dtype is not None:
+        vllm.append(f"--kv-cache-dtype {vllm_dtype}")
     else:
         vllm.append("--kv-cache-dtype fp8_e4m3")
         vllm_notes.append(f"vLLM has no {kv} KV cache: fp8_e4m3 is its fewest bits")
     cpp = [f"-c {context * users}", f"-np {users}"]
-    try:
-        stored = parse_kv_scheme(kv)
-    except PaperbackError:  # a per-layer policy's label
-        stored = None
     cache_type = LLAMA_CPP_KV.get(kv)
     if cache_type is None and stored is not None:
         cache_type = "q8_0" if stored.family == "fp8" else "q4_1" if stored.bits >= 4 else "q4_0"
