@@ -30,12 +30,18 @@ class BenchConfig:
     batches: tuple[int, ...] = (1, 8)
     repeats: int = 3
     dataset: str = "wikitext2"
+    decode_activations: str = "fp32"  # paperback's packed decode path: fp32 or int8 activations
+    threads: int | None = None  # None: torch's default
 
     def __post_init__(self):
         from paperback.errors import PaperbackError
 
         if self.prompt_tokens < 1 or self.decode_tokens < 2 or self.repeats < 1:
             raise PaperbackError("prompt tokens >= 1, decode tokens >= 2 and repeats >= 1 are required")
+        if self.decode_activations not in ("fp32", "int8"):
+            raise PaperbackError(f"decode activations must be fp32 or int8, got {self.decode_activations!r}")
+        if self.threads is not None and self.threads < 1:
+            raise PaperbackError("threads must be at least 1")
         if not self.batches or min(self.batches) < 1:
             raise PaperbackError("batch sizes must be positive")
         object.__setattr__(self, "batches", tuple(self.batches))
@@ -135,7 +141,12 @@ ENGINES = {"paperback": PaperbackEngine, "transformers": TransformersEngine}
 
 def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
     """All measurements of one engine; called in a worker process."""
+    from paperback.quantization.kernels import set_decode_activations
+
     torch.manual_seed(0)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    set_decode_activations(cfg.decode_activations)
     start = time.perf_counter()
     engine = ENGINES[engine_name](cfg)
     load_s = time.perf_counter() - start

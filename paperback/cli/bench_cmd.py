@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_json_arg, add_model_arg
 from paperback.cli.output import err_console, note, print_json, print_table
 
 
@@ -21,8 +21,10 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.add_argument("--threads", type=int, default=None, help="threads per engine (default: all cores)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
     add_dtype_arg(p)
+    add_decode_activations_arg(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from paperback.bench.report import bench_columns, bench_rows, run_bench
 
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                      decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats)
+                      decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats,
+                      decode_activations=args.decode_activations, threads=args.threads)
     peers = () if args.peer == "none" else (args.peer,)
     if args.json:
         report = run_bench(cfg, peers)

@@ -61,6 +61,14 @@ def make_windows(num_tokens: int, context: int, stride: int | None = None,
     return windows[:max_windows] if max_windows else windows
 
 
+def window_ids(ids: torch.Tensor, window: EvalWindow, bos_token_id: int | None = None) -> torch.Tensor:
+    """The (1, T) token ids a window feeds: its tokens, the first replaced by BOS where the model expects one."""
+    fed = ids[window.start:window.end][None].clone()
+    if bos_token_id is not None:
+        fed[0, 0] = bos_token_id
+    return fed
+
+
 @dataclass
 class EvalResult:
     dataset: str
@@ -130,25 +138,23 @@ def evaluate(
     pos_count = torch.zeros(context, dtype=torch.float64)
     for w in tqdm(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
                   disable=None if progress else True, leave=False):
-        window_ids = ids[w.start:w.end][None].clone()
-        if bos_token_id is not None:
-            window_ids[0, 0] = bos_token_id
+        fed = window_ids(ids, w, bos_token_id)
         # Position i predicts token i + 1; score predictions of tokens [score_from, end).
         first = w.score_from - w.start - 1
         targets = ids[w.score_from:w.end]
         if kv_cache is None:
-            hidden = model.hidden_states(window_ids)[0, first:-1]
+            hidden = model.hidden_states(fed)[0, first:-1]
         else:
-            cache = kv_cache(window_ids.shape[1])
-            hidden = torch.cat([model.hidden_states(window_ids[:, lo:lo + chunk], lo, cache)
-                                for lo in range(0, window_ids.shape[1], chunk)], dim=1)[0, first:-1]
+            cache = kv_cache(fed.shape[1])
+            hidden = torch.cat([model.hidden_states(fed[:, lo:lo + chunk], lo, cache)
+                                for lo in range(0, fed.shape[1], chunk)], dim=1)[0, first:-1]
         ref_hidden = None
         if reference is not None:
             key = (dataset, len(tokens), w.start, w.end, w.score_from, bos_token_id)
             if reference_cache is not None and key in reference_cache:
                 ref_hidden = reference_cache[key]
             else:
-                ref_hidden = reference.hidden_states(window_ids)[0, first:-1]
+                ref_hidden = reference.hidden_states(fed)[0, first:-1]
                 if reference_cache is not None:
                     reference_cache[key] = ref_hidden
         offset = 0

@@ -392,20 +392,226 @@ AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, co
 }
 #endif
 
+/* ---- int8 activations: integer dot products -------------------------------
+ *
+ * The decode path llama.cpp takes: each activation row is rounded to int8 in
+ * blocks of 32 (scale d = max|x| / 127), and the codes meet it as integers,
+ * 32 products summed per instruction pair, one float multiply-add per block.
+ * Per group g with scale s and zero z (sum over the group's blocks b):
+ *     y = s * (sum_b d_b * sum_i c_i q_i  -  z * sum_b d_b * sum_i q_i)
+ * The zero term uses the same rounded activations (gsum), so the error is
+ * sum (c - z) e, not sum c e. 8-bit codes go in as c - 128 (and z - 128):
+ * maddubs multiplies unsigned by signed bytes into saturating int16 pairs,
+ * which 255 x 127 x 2 would overflow; |c - 128| <= 128 does not.
+ * 4-bit rows are read packed (two codes a byte): a block's 16 bytes give its
+ * even codes in the low nibbles and its odd codes in the high ones, so the
+ * activations are stored in that order (evens, then odds) for 4-bit matrices.
+ * Needs k and the group size to be multiples of 32; otherwise the float path. */
+#define QBLOCK 32
+
+typedef struct {
+    int8_t *q;   /* (rows, k): rounded activations, nibble order for 4-bit */
+    float *d;    /* (rows, k / 32): block scales */
+    float *gsum; /* (rows, groups): sum over the group of d * q */
+} Int8Acts;
+
+static int int8_eligible(const QMatrix *m) { return m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0; }
+
+static void quantize_activations(const QMatrix *m, const float *x, int64_t rows, Int8Acts *a) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * m->k;
+        int8_t *qr = a->q + r * m->k;
+        for (int64_t g = 0; g < m->groups; g++) a->gsum[r * m->groups + g] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = xr + b * QBLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *qb = qr + b * QBLOCK;
+            int isum = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                const int v = (int)lrintf(xb[i] * inv);
+                /* 4-bit: position i goes where its code sits, evens first */
+                const int at = m->bits == 4 ? (i & 1) * (QBLOCK / 2) + (i >> 1) : i;
+                qb[at] = (int8_t)v;
+                isum += v;
+            }
+            a->d[r * blocks + b] = d;
+            a->gsum[r * m->groups + b / per_group] += d * (float)isum;
+        }
+    }
+}
+
+static float zero_term(const QMatrix *m, float zero) { return m->bits == 8 ? zero - 128.0f : zero; }
+
+static void row_dot_int8_portable(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
+                                  const Int8Acts *a, int64_t first, int mb, float *out) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    const int offset = m->bits == 8 ? 128 : 0;
+    for (int j = 0; j < mb; j++) {
+        const int64_t r = first + j;
+        const int8_t *q = a->q + r * m->k;
+        float total = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t g = b / per_group;
+            int isum = 0;
+            if (m->bits == 4) { /* q is in nibble order; codes are unpacked in natural order */
+                for (int i = 0; i < QBLOCK / 2; i++)
+                    isum += codes[b * QBLOCK + 2 * i] * q[b * QBLOCK + i] +
+                            codes[b * QBLOCK + 2 * i + 1] * q[b * QBLOCK + QBLOCK / 2 + i];
+            } else {
+                for (int i = 0; i < QBLOCK; i++) isum += ((int)codes[b * QBLOCK + i] - offset) * q[b * QBLOCK + i];
+            }
+            total += scale[g] * a->d[r * blocks + b] * (float)isum;
+        }
+        for (int64_t g = 0; g < m->groups; g++) total -= scale[g] * zero_term(m, zero[g]) * a->gsum[r * m->groups + g];
+        out[j] = total;
+    }
+}
+
+#ifdef PB_X86
+/* One block's 32 codes as unsigned bytes: from the packed row (4-bit, nibble
+ * order) or from the unpacked codes (2, 3 bits; 8 bits as c - 128, signed). */
+AVX2 static inline __m256i block_codes(const QMatrix *m, const uint8_t *packed, const uint8_t *codes, int64_t b) {
+    if (m->bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(packed + b * (QBLOCK / 2)));
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + b * QBLOCK));
+    return m->bits == 8 ? _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80)) : c;
+}
+
+/* sum of 32 products of a block, as 8 int32 lanes */
+AVX2 static inline __m256i block_products(int signed_codes, __m256i c, __m256i q) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (signed_codes) /* |c| times q with c's sign: unsigned x signed, no saturation */
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c)), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
+}
+
+AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const QMatrix *m, const uint8_t *packed,
+                                                                         const uint8_t *codes, const float *scale,
+                                                                         const float *zero, const Int8Acts *a,
+                                                                         int64_t first, int mb, float *out) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    const int signed_codes = m->bits == 8;
+    __m256 total[8], total2[8];
+    for (int j = 0; j < mb; j++) total[j] = total2[j] = _mm256_setzero_ps();
+    int64_t b = 0;
+    if (mb == 1) { /* two independent chains over alternate blocks hide the latency */
+        const int8_t *q = a->q + first * m->k;
+        const float *d = a->d + first * blocks;
+        for (; b + 2 <= blocks; b += 2) {
+            const __m256i p0 = block_products(signed_codes, block_codes(m, packed, codes, b),
+                                              _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
+            const __m256i p1 = block_products(signed_codes, block_codes(m, packed, codes, b + 1),
+                                              _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QBLOCK)));
+            total[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(scale[b / per_group] * d[b]), total[0]);
+            total2[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                        _mm256_set1_ps(scale[(b + 1) / per_group] * d[b + 1]), total2[0]);
+        }
+    }
+    for (; b < blocks; b++) {
+        const __m256i c = block_codes(m, packed, codes, b);
+        const float s = scale[b / per_group];
+        for (int j = 0; j < mb; j++) {
+            const int64_t r = first + j;
+            const __m256i p = block_products(signed_codes, c,
+                                             _mm256_loadu_si256((const __m256i *)(a->q + r * m->k + b * QBLOCK)));
+            total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r * blocks + b]), total[j]);
+        }
+    }
+    for (int j = 0; j < mb; j++) {
+        const int64_t r = first + j;
+        float t = hsum256(_mm256_add_ps(total[j], total2[j]));
+        for (int64_t g = 0; g < m->groups; g++) t -= scale[g] * zero_term(m, zero[g]) * a->gsum[r * m->groups + g];
+        out[j] = t;
+    }
+}
+
+AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
+                                     const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
+                                     float *out) {
+    switch (mb) { /* one specialised copy per row count */
+    case 1: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 1, out); break;
+    case 2: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 2, out); break;
+    case 3: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 3, out); break;
+    case 4: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 4, out); break;
+    case 5: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 5, out); break;
+    case 6: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 6, out); break;
+    case 7: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 7, out); break;
+    default: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 8, out); break;
+    }
+}
+#endif
+
 /* Rows of x handled together per weight row: each dequantized weight vector
  * is reused from registers this many times. */
 #define ROW_BLOCK 8
 
 #define MAX_MATRICES 8
 
+/* gemm_many with int8 activations (the matrices share k, bits and group size). */
+static int gemm_many_int8(const QMatrix *ms, int count, const int64_t *first_row, const float *x, int64_t rows,
+                          float *const *ys, int threads) {
+    const QMatrix *m0 = &ms[0];
+    int failed = 0;
+    Int8Acts a;
+    a.q = malloc((size_t)(rows * m0->k));
+    a.d = malloc(sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
+    a.gsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
+    if (!a.q || !a.d || !a.gsum) {
+        free(a.q), free(a.d), free(a.gsum);
+        return -1;
+    }
+    quantize_activations(m0, x, rows, &a);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        Scratch s;
+        int ok = scratch_alloc(&s, m0);
+        failed = !ok;
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < first_row[count]; row++) {
+            if (!ok) continue;
+            int which = 0;
+            while (row >= first_row[which + 1]) which++;
+            const QMatrix *m = &ms[which];
+            float *y = ys[which];
+            const int64_t r = row - first_row[which];
+            const uint8_t *packed = m->qweight + r * m->row_bytes;
+            if (!(use_avx2 && m->bits == 4)) unpack_row(packed, m->bits, m->k, s.codes); /* 4-bit: read packed */
+            scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
+            const float b = m->bias ? m->bias[r] : 0.0f;
+            float out[ROW_BLOCK];
+            for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
+                int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
+#ifdef PB_X86
+                if (use_avx2)
+                    row_times_int8_avx2(m, packed, s.codes, s.scale, s.zero, &a, i0, mb, out);
+                else
+#endif
+                    row_dot_int8_portable(m, s.codes, s.scale, s.zero, &a, i0, mb, out);
+                for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
+            }
+        }
+    }
+    free(a.q), free(a.d), free(a.gsum);
+    return failed ? -1 : 0;
+}
+
 /* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
  * gate and up): one parallel region over all their rows instead of one each.
  * All matrices share k, bits and group size. */
-static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads) {
+static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads,
+                     int int8_acts) {
     const QMatrix *m0 = &ms[0];
     int failed = 0;
     int64_t first_row[MAX_MATRICES + 1] = {0};
     for (int i = 0; i < count; i++) first_row[i + 1] = first_row[i] + ms[i].n;
+    if (int8_acts && int8_eligible(m0)) return gemm_many_int8(ms, count, first_row, x, rows, ys, threads);
     /* Group sums of x, for applying zero points once per group. */
     float *xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
     if (!xsum) return -1;
@@ -495,8 +701,10 @@ static int parse_matrix(QMatrix *m, Py_ssize_t qweight, Py_ssize_t scales, Py_ss
 
 static PyObject *py_gemm_many(PyObject *self, PyObject *args) {
     Py_ssize_t x, rows, k, bits, group_size, threads;
+    int int8_acts = 0;
     PyObject *mats;
-    if (!PyArg_ParseTuple(args, "nnnnnnO", &x, &rows, &k, &bits, &group_size, &threads, &mats)) return NULL;
+    if (!PyArg_ParseTuple(args, "nnnnnnO|p", &x, &rows, &k, &bits, &group_size, &threads, &mats, &int8_acts))
+        return NULL;
     PyObject *seq = PySequence_Fast(mats, "matrices must be a sequence of (y, qweight, scales, qzeros, bias, n)");
     if (!seq) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
@@ -518,7 +726,8 @@ static PyObject *py_gemm_many(PyObject *self, PyObject *args) {
     }
     Py_DECREF(seq);
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = gemm_many(ms, (int)count, (const float *)x, rows, ys, threads < 1 ? 1 : (int)threads);
+    Py_BEGIN_ALLOW_THREADS rc = gemm_many(ms, (int)count, (const float *)x, rows, ys, threads < 1 ? 1 : (int)threads,
+                                          int8_acts);
     Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -533,6 +742,12 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS rc = dequantize(&m, (float *)out, threads < 1 ? 1 : (int)threads);
     Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+static PyObject *py_int8_eligible(PyObject *self, PyObject *args) {
+    Py_ssize_t k, group_size;
+    if (!PyArg_ParseTuple(args, "nn", &k, &group_size)) return NULL;
+    return PyBool_FromLong(k % QBLOCK == 0 && group_size % QBLOCK == 0);
 }
 
 static PyObject *py_set_simd(PyObject *self, PyObject *args) {
@@ -555,8 +770,11 @@ static PyObject *py_simd(PyObject *self, PyObject *noargs) { return PyUnicode_Fr
 
 static PyMethodDef methods[] = {
     {"gemm_many", py_gemm_many, METH_VARARGS,
-     "gemm_many(x, rows, k, bits, group_size, threads, [(y, qweight, scales, qzeros, bias, n), ...]): "
-     "gemm for several matrices that read the same x, in one parallel region"},
+     "gemm_many(x, rows, k, bits, group_size, threads, [(y, qweight, scales, qzeros, bias, n), ...], "
+     "int8_acts=False): gemm for several matrices that read the same x, in one parallel region; int8_acts rounds "
+     "x to int8 in blocks of 32 and multiplies with integer dot products (k and group_size multiples of 32)"},
+    {"int8_eligible", py_int8_eligible, METH_VARARGS,
+     "int8_eligible(k, group_size) -> whether gemm_many's int8 path takes this shape"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
     {"set_simd", py_set_simd, METH_VARARGS,

@@ -40,6 +40,27 @@ _scratch = threading.local()
 # PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
 enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 
+# How decode rows meet the packed codes: "fp32" (the exact reference: codes converted to floats) or "int8"
+# (activations rounded to int8 in blocks of 32 and multiplied with integer dot products, as llama.cpp's Q8
+# blocks are; layers whose inputs or groups are not multiples of 32 stay fp32). PAPERBACK_DECODE_ACTIVATIONS
+# sets it at import; set_decode_activations() at run time.
+DECODE_ACTIVATIONS = ("fp32", "int8")
+decode_activations = os.environ.get("PAPERBACK_DECODE_ACTIVATIONS", "fp32")
+if decode_activations not in DECODE_ACTIVATIONS:
+    raise ValueError(f"PAPERBACK_DECODE_ACTIVATIONS must be one of {', '.join(DECODE_ACTIVATIONS)}, "
+                     f"got {decode_activations!r}")
+
+
+def set_decode_activations(mode: str) -> str:
+    """Choose how decode rows meet the packed codes ("fp32" or "int8"); returns the previous mode."""
+    global decode_activations
+    if mode not in DECODE_ACTIVATIONS:
+        from paperback.errors import PaperbackError
+
+        raise PaperbackError(f"decode activations must be one of {', '.join(DECODE_ACTIVATIONS)}, got {mode!r}")
+    previous, decode_activations = decode_activations, mode
+    return previous
+
 
 def kernel_available() -> bool:
     return _qkernel is not None and enabled
@@ -152,7 +173,8 @@ def _gemv(layers, x2: torch.Tensor) -> list[torch.Tensor]:
         outputs.append(y)
         mats.append((y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0, layer.out_features))
     _qkernel.gemm_many(x2.data_ptr(), x2.shape[0], first.in_features, first.scheme.bits,
-                       first.scheme.group_size or first.in_features, torch.get_num_threads(), mats)
+                       first.scheme.group_size or first.in_features, torch.get_num_threads(), mats,
+                       decode_activations == "int8")
     return outputs
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from paperback.errors import PaperbackError
 from paperback.quantization import QuantScheme, quantize_rtn
 from paperback.quantization import kernels
 from paperback.quantization.qlinear import QuantLinear
@@ -49,6 +50,49 @@ def test_kernel_matches_the_reference(scheme, rows, simd):
 def test_kernel_dequantizes_exactly(scheme, simd):
     layer = make_layer(scheme, 37, 584, bias=False)
     assert torch.equal(kernels.dequantize_cpu(layer), layer.dequantized_weight())
+
+
+def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 decode path sees it: blocks of 32 rounded to int8 steps of max|x| / 127."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return torch.where(step > 0, torch.round(blocks / step.clamp(min=1e-30)) * step, 0.0).reshape(x.shape)
+
+
+@pytest.fixture
+def int8_decode():
+    previous = kernels.set_decode_activations("int8")
+    yield
+    kernels.set_decode_activations(previous)
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if (s.group_size or 32) % 32 == 0], ids=lambda s: s.label)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int8_decode_is_exact_on_the_rounded_activations(scheme, rows, simd, int8_decode):
+    # The integer dot products lose nothing beyond rounding x: the float reference on rounded x agrees.
+    for out_features, in_features in [(48, 576), (7, 1536)]:
+        layer = make_layer(scheme, out_features, in_features)
+        x = torch.randn(rows, in_features) * torch.linspace(0.1, 4, in_features)
+        x[0, :32] = 0  # an all-zero block: step 0
+        got, want = layer(x), layer.reference_forward(rounded_to_int8_blocks(x))
+        assert max_rel_error(got, want) < 2e-6, (scheme.label, rows, out_features, in_features)
+        # and the rounding itself costs about what int8 steps should (a few tenths of a percent)
+        assert 1e-4 < max_rel_error(got, layer.reference_forward(x)) < 3e-2
+
+
+def test_int8_decode_leaves_shapes_off_the_32_grid_on_the_float_path(int8_decode):
+    for scheme, in_features in [(QuantScheme(4, 64), 584), (QuantScheme(4, 100), 600), (QuantScheme(3, 7), 45)]:
+        layer = make_layer(scheme, 16, in_features)
+        x = torch.randn(2, in_features)
+        got = layer(x)
+        kernels.set_decode_activations("fp32")
+        assert torch.equal(got, layer(x))
+        kernels.set_decode_activations("int8")
+
+
+def test_int8_decode_is_refused_by_name_when_unknown():
+    with pytest.raises(PaperbackError, match="fp32, int8"):
+        kernels.set_decode_activations("int4")
 
 
 def test_kernel_keeps_the_activation_dtype_and_handles_no_bias():
