@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -29,11 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _decode_activations(args: argparse.Namespace):
+    """--decode-activations for this command only (main() also runs in-process, e.g. in tests); commands without
+    the option import nothing for it."""
+    if getattr(args, "decode_activations", None) is None:
+        return contextlib.nullcontext()
+    from paperback.quantization.kernels import decode_activations_as
+
+    return decode_activations_as(args.decode_activations)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with _decode_activations(args):
+            return args.func(args)
     except PaperbackError as exc:
         print(f"paperback: error: {exc}", file=sys.stderr)
         return 2

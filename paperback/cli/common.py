@@ -25,12 +25,7 @@ def add_decode_activations_arg(parser: argparse.ArgumentParser) -> None:
                         help="how decode steps meet packed weights: fp32 (exact; the default) or int8 (activations "
                              "rounded to int8 in blocks of 32 and multiplied with integer dot products, as "
                              "llama.cpp does; faster, at a small measured cost: docs/weights.md)")
-
-
-def apply_decode_activations(args: argparse.Namespace) -> None:
-    from paperback.quantization.kernels import set_decode_activations
-
-    set_decode_activations(args.decode_activations)
+    # paperback.cli.main applies it around the command
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:

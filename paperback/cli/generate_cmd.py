@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_json_arg, apply_decode_activations
+from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_json_arg
 from paperback.cli.output import note, print_json
 from paperback.errors import PaperbackError
 from paperback.loading.sources import DEFAULT_MODEL
@@ -40,7 +40,6 @@ def run(args: argparse.Namespace) -> int:
     model_spec, prompt = (args.args if len(args.args) == 2 else (DEFAULT_MODEL, args.args[0]))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    apply_decode_activations(args)
     lm = load_model(model_spec, args.dtype)
     chat = lm.tokenizer.chat_template is not None and not args.raw
 

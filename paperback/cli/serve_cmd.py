@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_model_arg, apply_decode_activations
+from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_model_arg
 from paperback.cli.output import note
 
 
@@ -171,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.memory and args.kv_memory:
         raise PaperbackError("give either --memory (total) or --kv-memory (the KV pool alone), not both")
-    apply_decode_activations(args)
     kv_memory = parse_bytes(args.kv_memory or "1GiB")
     total = parse_bytes(args.memory) if args.memory else None
     max_body = parse_bytes(args.max_body_size)

@@ -492,58 +492,69 @@ AVX2 static inline __m256i block_products(int signed_codes, __m256i c, __m256i q
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
 }
 
+/* sum over groups of s_g z_g gsum[g], for each of the mb rows: the zero points' term, applied once per row. */
+AVX2 static inline void zero_terms_avx2(const QMatrix *m, const float *scale, const float *zero, const Int8Acts *a,
+                                        int64_t first, int mb, float *sz, float *out) {
+    for (int64_t g = 0; g < m->groups; g++) sz[g] = scale[g] * zero_term(m, zero[g]);
+    for (int j = 0; j < mb; j++) out[j] = dot_avx2(sz, a->gsum + (first + j) * m->groups, m->groups);
+}
+
 AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const QMatrix *m, const uint8_t *packed,
                                                                          const uint8_t *codes, const float *scale,
                                                                          const float *zero, const Int8Acts *a,
-                                                                         int64_t first, int mb, float *out) {
+                                                                         int64_t first, int mb, float *sz,
+                                                                         float *out) {
     const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
     const int signed_codes = m->bits == 8;
-    __m256 total[8], total2[8];
-    for (int j = 0; j < mb; j++) total[j] = total2[j] = _mm256_setzero_ps();
-    int64_t b = 0;
-    if (mb == 1) { /* two independent chains over alternate blocks hide the latency */
-        const int8_t *q = a->q + first * m->k;
-        const float *d = a->d + first * blocks;
-        for (; b + 2 <= blocks; b += 2) {
-            const __m256i p0 = block_products(signed_codes, block_codes(m, packed, codes, b),
-                                              _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
-            const __m256i p1 = block_products(signed_codes, block_codes(m, packed, codes, b + 1),
-                                              _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QBLOCK)));
-            total[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(scale[b / per_group] * d[b]), total[0]);
-            total2[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                        _mm256_set1_ps(scale[(b + 1) / per_group] * d[b + 1]), total2[0]);
+    __m256 total[8], total2 = _mm256_setzero_ps();
+    for (int j = 0; j < mb; j++) total[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < m->groups; g++) {
+        const int64_t b0 = g * per_group, b1 = b0 + per_group < blocks ? b0 + per_group : blocks;
+        const __m256 s = _mm256_set1_ps(scale[g]);
+        int64_t b = b0;
+        if (mb == 1) { /* two independent chains over alternate blocks hide the latency */
+            const int8_t *q = a->q + first * m->k;
+            const float *d = a->d + first * blocks;
+            for (; b + 2 <= b1; b += 2) {
+                const __m256i p0 = block_products(signed_codes, block_codes(m, packed, codes, b),
+                                                  _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
+                const __m256i p1 = block_products(signed_codes, block_codes(m, packed, codes, b + 1),
+                                                  _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QBLOCK)));
+                total[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(s, _mm256_broadcast_ss(d + b)),
+                                           total[0]);
+                total2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(s, _mm256_broadcast_ss(d + b + 1)),
+                                         total2);
+            }
+        }
+        for (; b < b1; b++) {
+            const __m256i c = block_codes(m, packed, codes, b);
+            for (int j = 0; j < mb; j++) {
+                const int64_t r = first + j;
+                const __m256i p = block_products(signed_codes, c,
+                                                 _mm256_loadu_si256((const __m256i *)(a->q + r * m->k + b * QBLOCK)));
+                total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                           _mm256_mul_ps(s, _mm256_broadcast_ss(a->d + r * blocks + b)), total[j]);
+            }
         }
     }
-    for (; b < blocks; b++) {
-        const __m256i c = block_codes(m, packed, codes, b);
-        const float s = scale[b / per_group];
-        for (int j = 0; j < mb; j++) {
-            const int64_t r = first + j;
-            const __m256i p = block_products(signed_codes, c,
-                                             _mm256_loadu_si256((const __m256i *)(a->q + r * m->k + b * QBLOCK)));
-            total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r * blocks + b]), total[j]);
-        }
-    }
-    for (int j = 0; j < mb; j++) {
-        const int64_t r = first + j;
-        float t = hsum256(_mm256_add_ps(total[j], total2[j]));
-        for (int64_t g = 0; g < m->groups; g++) t -= scale[g] * zero_term(m, zero[g]) * a->gsum[r * m->groups + g];
-        out[j] = t;
-    }
+    total[0] = _mm256_add_ps(total[0], total2);
+    float zeros[8];
+    zero_terms_avx2(m, scale, zero, a, first, mb, sz, zeros);
+    for (int j = 0; j < mb; j++) out[j] = hsum256(total[j]) - zeros[j];
 }
 
 AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
                                      const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
-                                     float *out) {
+                                     float *sz, float *out) {
     switch (mb) { /* one specialised copy per row count */
-    case 1: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 1, out); break;
-    case 2: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 2, out); break;
-    case 3: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 3, out); break;
-    case 4: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 4, out); break;
-    case 5: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 5, out); break;
-    case 6: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 6, out); break;
-    case 7: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 7, out); break;
-    default: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 8, out); break;
+    case 1: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 1, sz, out); break;
+    case 2: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 2, sz, out); break;
+    case 3: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 3, sz, out); break;
+    case 4: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 4, sz, out); break;
+    case 5: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 5, sz, out); break;
+    case 6: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 6, sz, out); break;
+    case 7: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 7, sz, out); break;
+    default: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 8, sz, out); break;
     }
 }
 #endif
@@ -590,7 +601,7 @@ static int gemm_many_int8(const QMatrix *ms, int count, const int64_t *first_row
                 int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
 #ifdef PB_X86
                 if (use_avx2)
-                    row_times_int8_avx2(m, packed, s.codes, s.scale, s.zero, &a, i0, mb, out);
+                    row_times_int8_avx2(m, packed, s.codes, s.scale, s.zero, &a, i0, mb, s.row, out);
                 else
 #endif
                     row_dot_int8_portable(m, s.codes, s.scale, s.zero, &a, i0, mb, out);

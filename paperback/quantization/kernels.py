@@ -10,6 +10,7 @@ reference dequantizes and multiplies; it is what the kernel is tested against.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -60,6 +61,17 @@ def set_decode_activations(mode: str) -> str:
         raise PaperbackError(f"decode activations must be one of {', '.join(DECODE_ACTIVATIONS)}, got {mode!r}")
     previous, decode_activations = decode_activations, mode
     return previous
+
+
+@contextlib.contextmanager
+def decode_activations_as(mode: str | None):
+    """Decode activations in `mode` inside the block (None: leave them as they are), restored after."""
+    previous = set_decode_activations(mode) if mode is not None else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_decode_activations(previous)
 
 
 def kernel_available() -> bool:

@@ -39,13 +39,20 @@ def test_bench_config_validation():
         BenchConfig(decode_tokens=1)
     with pytest.raises(PaperbackError):
         BenchConfig(batches=(0,))
+    with pytest.raises(PaperbackError, match="fp32 or int8"):
+        BenchConfig(decode_activations="int4")
+    with pytest.raises(PaperbackError, match="threads"):
+        BenchConfig(threads=0)
 
 
 def test_bench_runs_in_a_worker_and_reports_every_metric():
-    cfg = BenchConfig(prompt_tokens=32, decode_tokens=4, batches=(1, 2), repeats=1)
+    cfg = BenchConfig(prompt_tokens=32, decode_tokens=4, batches=(1, 2), repeats=1, threads=1,
+                      decode_activations="int8")
     report = run_bench(cfg, peers=())
     json.dumps(report)
+    assert report["config"]["decode_activations"] == "int8"  # recorded with the figures
     pb = report["engines"]["paperback"]
+    assert pb["threads"] == 1
     assert pb["prefill_tokens_per_s"] > 0 and pb["peak_rss_bytes"] > 100 * 2**20
     assert set(pb["decode"]) == {"1", "2"}
     assert all(v["decode_tokens_per_s"] > 0 and v["time_to_first_token_s"] > 0 for v in pb["decode"].values())

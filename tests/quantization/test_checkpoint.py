@@ -97,6 +97,11 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     assert 0 < result["kl_divergence"] < 0.5 and result["top1_agreement"] > 0.6
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json"]) == 0
     capsys.readouterr()
+    # the integer decode path, for this command only
+    from paperback.quantization import kernels
+
+    assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json", "--decode-activations", "int8"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3 and kernels.decode_activations == "fp32"
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["parameters"] == 134_515_008  # packed layers count their weights, not their bytes
