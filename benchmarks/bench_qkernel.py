@@ -4,7 +4,8 @@
 
 For each layer shape (SmolLM2's four, plus a 4096 x 4096 one from the issue)
 and number of activation rows, times F.linear in fp32 and bf16 and
-QuantLinear at W8/W4/W3/W2, and reports each one's ratio to fp32 and the
+QuantLinear at W8/W4/W3/W2 (W8 and W4 decode rows also with int8
+activations), and reports each one's ratio to fp32 and the
 effective read bandwidth (weight bytes / time). Rows above
 kernels.GEMV_MAX_ROWS take the dequantize-then-BLAS path; the table shows
 where the crossover lies. Writes benchmarks/results/qkernel.json.
@@ -23,14 +24,15 @@ import torch.nn.functional as F
 
 from paperback.cli.output import print_table
 from paperback.quantization import QuantScheme, quantize_rtn
-from paperback.quantization.kernels import GEMV_MAX_ROWS, kernel_simd
+from paperback.quantization.kernels import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
 from paperback.quantization.qlinear import QuantLinear
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
           "down 576x1536": (576, 1536), "4096x4096": (4096, 4096)}
-SCHEMES = {"W8 ch": QuantScheme(8, None, True), "W4 g128": QuantScheme(4, 128), "W3 g128": QuantScheme(3, 128),
-           "W2 g64": QuantScheme(2, 64)}
+SCHEMES = {"W8 ch": QuantScheme(8, None, True), "W4 g128": QuantScheme(4, 128), "W4 g32": QuantScheme(4, 32),
+           "W3 g128": QuantScheme(3, 128), "W2 g64": QuantScheme(2, 64)}
+INT8_ROWS = ("W8 ch", "W4 g128", "W4 g32")  # also timed with int8 decode activations
 
 
 def best_time(fn, repeats: int) -> float:
@@ -69,6 +71,10 @@ def run() -> int:
                        "bf16": (best_time(lambda: F.linear(x_bf16, w_bf16), repeats), w.numel() * 2)}
             for name, layer in layers.items():
                 timings[name] = (best_time(lambda: layer(x), repeats), layer.storage_bytes())
+                if rows <= GEMV_MAX_ROWS and name in INT8_ROWS:  # the integer decode path beside the float one
+                    previous = set_decode_activations("int8")
+                    timings[f"{name} int8-act"] = (best_time(lambda: layer(x), repeats), layer.storage_bytes())
+                    set_decode_activations(previous)
             for name, (seconds, nbytes) in timings.items():
                 results.append({"shape": shape_name, "rows": rows, "format": name, "ms": seconds * 1e3,
                                 "speedup_vs_fp32": fp32 / seconds, "read_gb_s": nbytes / seconds / 1e9})

@@ -32,6 +32,7 @@ class BenchConfig:
     dataset: str = "wikitext2"
     decode_activations: str = "fp32"  # paperback's packed decode path: fp32 or int8 activations
     threads: int | None = None  # None: torch's default
+    profile: bool = False  # also time a decode step's parts (paperback.bench.step_profile)
 
     def __post_init__(self):
         from paperback.errors import PaperbackError
@@ -179,6 +180,10 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
         }
     if engine_name == "paperback":
         result["model"] = _model_facts(engine.lm, cfg)
+        if cfg.profile:
+            from paperback.bench.step_profile import profile_decode
+
+            result["profile"] = profile_decode(engine.lm.model, single, cfg.decode_tokens)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 

@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--threads", type=int, default=None, help="threads per engine (default: all cores)")
+    p.add_argument("--profile", action="store_true",
+                   help="also show where a batch-1 decode step's time goes in paperback (linears, attention, "
+                        "norms, head, sampling, the rest)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
     add_dtype_arg(p)
     add_decode_activations_arg(p)
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats,
-                      decode_activations=args.decode_activations, threads=args.threads)
+                      decode_activations=args.decode_activations, threads=args.threads, profile=args.profile)
     peers = () if args.peer == "none" else (args.peer,)
     if args.json:
         report = run_bench(cfg, peers)
@@ -51,6 +54,12 @@ def run(args: argparse.Namespace) -> int:
     print_table(f"{args.model} ({args.dtype}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
                 f"{report['engines']['paperback']['threads']} threads",
                 bench_columns(report), bench_rows(report))
+    profile = report["engines"]["paperback"].get("profile")
+    if profile:
+        print_table(f"paperback: a decode step ({profile['ms_per_step']:.2f} ms at batch 1, {profile['steps']} steps)",
+                    ["part", "ms / step", "share"],
+                    [[part, f"{ms:.3f}", f"{ms / profile['ms_per_step']:.0%}"]
+                     for part, ms in profile["parts_ms"].items()])
     bw = report["bandwidth_bytes_per_s"] / 1e9
     roof = report["roofline"][str(cfg.batches[0])]
     note(f"roofline: measured read bandwidth {bw:.1f} GB/s; a decode step at batch {roof['batch']} reads "

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from paperback.bench.engines import BenchConfig
 from paperback.bench.report import bench_rows, run_bench
@@ -81,3 +82,33 @@ def test_peak_rss_of_a_worker_is_its_own_not_its_parents():
     child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert child < 500 << 20
     del ballast
+
+
+def test_step_profile_parts_add_up_and_everything_is_put_back(tmp_path):
+    """The decode step's parts sum to its wall time, on a model with packed layers too; afterwards no timer is
+    left on the model or the functions it calls."""
+    from helpers import tiny_llama_hf, write_llama_gguf
+
+    from paperback.bench.step_profile import PARTS, profile_decode
+    from paperback.loading import load_model
+    from paperback.models import blocks
+    from paperback.quantization import QuantScheme
+    from paperback.quantization.checkpoint import swap_in_quantized
+    from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+    lm = load_model(str(write_llama_gguf(tiny_llama_hf(num_hidden_layers=2), tmp_path / "t.gguf")),
+                    with_tokenizer=False)
+    swap_in_quantized(lm.model, quantize_model(lm.model, QuantizeConfig("rtn", QuantScheme(4, 32)), progress=False))
+    originals = (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store)
+    ids = torch.randint(0, 200, (1, 12))
+    with torch.inference_mode():
+        before = lm.model(ids)
+    report = profile_decode(lm.model, ids, 6)
+    assert report["steps"] == 5 and list(report["parts_ms"]) == list(PARTS)
+    assert sum(report["parts_ms"].values()) == pytest.approx(report["ms_per_step"], rel=1e-6)
+    assert report["parts_ms"]["linears"] > 0 and report["parts_ms"]["attention"] > 0
+    assert (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store) == originals
+    assert "forward" not in vars(lm.model) and "logits" not in vars(lm.model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in lm.model.modules())
+    with torch.inference_mode():
+        assert torch.equal(lm.model(ids), before)
