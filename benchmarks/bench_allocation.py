@@ -15,10 +15,14 @@ calibration (pydoc, never the evaluation text; the profile read the first
 half of pydoc too; AWQ with the profile's lighter searches unless
 --full-awq), and scored by KL to the full model and perplexity on
 WikiText-2 and PTB windows of 512 tokens. The KV cache is exact throughout:
-this table is about weights. Results go to
-benchmarks/results/allocation_<model>.json after every cell (a rerun skips
-cells already there unless --fresh, which redoes the chosen policies at the
-chosen budgets), with a plot of KL against bits.
+this table is about weights. --text wikitext2 runs the same story in domain,
+as `paperback fit --text` does: the profile, the second pass and the
+calibration read WikiText-2's first half, and its row is scored on the second
+half only (the other data sets whole). Results go to
+benchmarks/results/allocation_<model>.json (allocation_<model>_<text>.json for
+another --text) after every cell (a rerun skips cells already there unless
+--fresh, which redoes the chosen policies at the chosen budgets), with a plot
+of KL against bits.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
 def paperback_policy(allocator: Allocator, budget: int, second: SecondPass, count: int) -> tuple[dict, list]:
     """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
-    solutions by head scheme, measured whole on the profiled part of pydoc, the least KL kept."""
+    solutions by head scheme, measured whole on the profiled part of the text, the least KL kept."""
     candidates = head_candidates(allocator.weight_groups(), budget, count)
     best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")))
     schemes = allocator.schemes
@@ -79,6 +83,8 @@ def main() -> None:
                         help="paperback allocates from the default (anchored) profile, paperback-all from one "
                              "with every cell measured (--measure all); default: the first three")
     parser.add_argument("--method", choices=["rtn", "gptq", "awq"], default="awq")
+    parser.add_argument("--text", default="pydoc",
+                        help="data set profiled and calibrated on (its first half); evaluated on its second half")
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--full-awq", action="store_true",
                         help="AWQ's full searches (grid 20, 4,096 search tokens) instead of the profile's lighter "
@@ -86,14 +92,15 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16, help="windows of 512 tokens per data set")
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
     parser.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
-                        help="solutions by head scheme the second pass measures on the profiled part of pydoc "
+                        help="solutions by head scheme the second pass measures on the profiled part of the text "
                              f"(default {DEFAULT_CANDIDATES}; 1: the solve's own choice)")
     parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells at the chosen budgets")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
     args = parser.parse_args()
     warn_if_busy()
     torch.manual_seed(0)
-    out_name = f"allocation_{args.model}.json"
+    stem = f"allocation_{args.model}" + ("" if args.text == "pydoc" else f"_{args.text}")
+    out_name = f"{stem}.json"
     previous = json.loads((RESULTS / out_name).read_text()) if (RESULTS / out_name).exists() else {}
     cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
              if not (args.fresh and c["policy"] in args.policies and c["budget"] in args.budgets)}
@@ -102,18 +109,20 @@ def main() -> None:
     profiles = {"paperback": ProfileConfig(args.method)}
     if "paperback-all" in args.policies:
         profiles["paperback-all"] = ProfileConfig(args.method, measure="all")
-    profiles = {name: Profiler(full.model, full.tokenizer, load_text("pydoc"), "pydoc", config).run()
+    profiles = {name: Profiler(full.model, full.tokenizer, load_text(args.text), args.text, config).run()
                 for name, config in profiles.items()}
     profile = profiles["paperback"]
     allocators = {name: Allocator(p, full.model, Workload(10 ** 15, 1, 1)) for name, p in profiles.items()}
     allocator = allocators["paperback"]
     units, shapes = allocator.units, param_shapes(allocator.units)
     candidates = list(allocator.schemes.values())
-    second_passes = {name: SecondPass(full.model, full.tokenizer, load_text("pydoc"),
+    second_passes = {name: SecondPass(full.model, full.tokenizer, load_text(args.text),
                                       ProfileConfig.from_dict(p["config"]), allocators[name].units)
                for name, p in profiles.items()}
-    calibration = calibration_batch(full.tokenizer, CalibrationConfig("pydoc", args.calib_samples, 512, span=0.5))
+    calibration = calibration_batch(full.tokenizer, CalibrationConfig(args.text, args.calib_samples, 512, span=0.5))
     texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
+    if args.text in texts:  # in domain: score only the half nothing was profiled or calibrated on
+        texts[args.text] = texts[args.text][len(texts[args.text]) // 2:]
     bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
     reference_cache: dict = {}
 
@@ -153,7 +162,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in cell.items() if k != "schemes"}), flush=True)
             write_results(out_name, {"model": args.model, "method": args.method, "windows": args.windows,
                                      "awq": "full" if args.full_awq else "profile (grid 10, 512 search tokens)",
-                                     "calibration": "pydoc",
+                                     "calibration": args.text, "profiled": args.text,
+                                     "held_out": args.text if args.text in texts else None,
                                      "profiles": {n: p.get("reused_from_cache") for n, p in profiles.items()},
                                      "cells": list(cells.values())})
     rows = []
@@ -174,10 +184,10 @@ def main() -> None:
     else:
         print_table(f"{args.model}: equal bytes, KL to the full model ({args.method}, {args.windows} windows of 512)",
                     cols, rows)
-    plot(args.model, args.data, cells)
+    plot(stem, args.data, cells)
 
 
-def plot(model: str, data: list[str], cells: dict) -> None:
+def plot(stem: str, data: list[str], cells: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +203,7 @@ def plot(model: str, data: list[str], cells: dict) -> None:
         ax.set_xlabel("bits per weight (block linears and head)")
         ax.set_ylabel(f"KL to the full model, {d}")
         ax.legend()
-    out = RESULTS / f"allocation_{model}.png"
+    out = RESULTS / f"{stem}.png"
     fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"wrote {out}")
 
