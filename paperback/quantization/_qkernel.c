@@ -565,6 +565,15 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
 
 #define MAX_MATRICES 8
 
+/* Which of the stacked matrices global row `row` falls in (first_row: their first rows, then the total), and
+ * its row index there. */
+static inline int matrix_of(const int64_t *first_row, int64_t row, int64_t *r) {
+    int which = 0;
+    while (row >= first_row[which + 1]) which++;
+    *r = row - first_row[which];
+    return which;
+}
+
 /* gemm_many with int8 activations (the matrices share k, bits and group size). */
 static int gemm_many_int8(const QMatrix *ms, int count, const int64_t *first_row, const float *x, int64_t rows,
                           float *const *ys, int threads) {
@@ -587,11 +596,10 @@ static int gemm_many_int8(const QMatrix *ms, int count, const int64_t *first_row
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < first_row[count]; row++) {
             if (!ok) continue;
-            int which = 0;
-            while (row >= first_row[which + 1]) which++;
+            int64_t r;
+            const int which = matrix_of(first_row, row, &r);
             const QMatrix *m = &ms[which];
             float *y = ys[which];
-            const int64_t r = row - first_row[which];
             const uint8_t *packed = m->qweight + r * m->row_bytes;
             if (!(use_avx2 && m->bits == 4)) unpack_row(packed, m->bits, m->k, s.codes); /* 4-bit: read packed */
             scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
@@ -642,11 +650,10 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < first_row[count]; row++) {
             if (!ok) continue;
-            int which = 0;
-            while (row >= first_row[which + 1]) which++;
+            int64_t r;
+            const int which = matrix_of(first_row, row, &r);
             const QMatrix *m = &ms[which];
             float *y = ys[which];
-            const int64_t r = row - first_row[which];
             unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s.codes);
             scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
             const float b = m->bias ? m->bias[r] : 0.0f;
