@@ -565,82 +565,82 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
 
 #define MAX_MATRICES 8
 
-/* Which of the stacked matrices global row `row` falls in (first_row: their first rows, then the total), and
- * its row index there. */
-static inline int matrix_of(const int64_t *first_row, int64_t row, int64_t *r) {
-    int which = 0;
-    while (row >= first_row[which + 1]) which++;
-    *r = row - first_row[which];
-    return which;
+/* Output row r of matrix m for every row of x, from float activations (x and its group sums xsum). */
+static void float_row(const QMatrix *m, int64_t r, const float *x, const float *xsum, int64_t rows, Scratch *s,
+                      float *y) {
+    unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s->codes);
+    scales_and_zeros(m, r, s->scale, s->zero, s->zero_codes);
+    const float b = m->bias ? m->bias[r] : 0.0f;
+#ifdef PB_X86
+    if (use_avx2) {
+        float out[ROW_BLOCK];
+        for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
+            int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
+            if (simd_level >= LEVEL_AVX512)
+                row_times_x_avx512(m, s->codes, s->scale, s->zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
+            else
+                row_times_x_avx2(m, s->codes, s->scale, s->zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
+            for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
+        }
+        return;
+    }
+#endif
+    dequant_row(m, s->codes, s->scale, s->zero, s->row);
+    for (int64_t i = 0; i < rows; i++) y[i * m->n + r] = dot(s->row, x + i * m->k, m->k) + b;
 }
 
-/* gemm_many with int8 activations (the matrices share k, bits and group size). */
-static int gemm_many_int8(const QMatrix *ms, int count, const int64_t *first_row, const float *x, int64_t rows,
-                          float *const *ys, int threads) {
-    const QMatrix *m0 = &ms[0];
-    int failed = 0;
-    Int8Acts a;
-    a.q = malloc((size_t)(rows * m0->k));
-    a.d = malloc(sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
-    a.gsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
-    if (!a.q || !a.d || !a.gsum) {
-        free(a.q), free(a.d), free(a.gsum);
-        return -1;
-    }
-    quantize_activations(m0, x, rows, &a);
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        Scratch s;
-        int ok = scratch_alloc(&s, m0);
-        failed = !ok;
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < first_row[count]; row++) {
-            if (!ok) continue;
-            int64_t r;
-            const int which = matrix_of(first_row, row, &r);
-            const QMatrix *m = &ms[which];
-            float *y = ys[which];
-            const uint8_t *packed = m->qweight + r * m->row_bytes;
-            if (!(use_avx2 && m->bits == 4)) unpack_row(packed, m->bits, m->k, s.codes); /* 4-bit: read packed */
-            scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
-            const float b = m->bias ? m->bias[r] : 0.0f;
-            float out[ROW_BLOCK];
-            for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
-                int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
+/* Output row r of matrix m for every row of x, from int8 activations. */
+static void int8_row(const QMatrix *m, int64_t r, const Int8Acts *a, int64_t rows, Scratch *s, float *y) {
+    const uint8_t *packed = m->qweight + r * m->row_bytes;
+    if (!(use_avx2 && m->bits == 4)) unpack_row(packed, m->bits, m->k, s->codes); /* 4-bit: read packed */
+    scales_and_zeros(m, r, s->scale, s->zero, s->zero_codes);
+    const float b = m->bias ? m->bias[r] : 0.0f;
+    float out[ROW_BLOCK];
+    for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
+        int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
 #ifdef PB_X86
-                if (use_avx2)
-                    row_times_int8_avx2(m, packed, s.codes, s.scale, s.zero, &a, i0, mb, s.row, out);
-                else
+        if (use_avx2)
+            row_times_int8_avx2(m, packed, s->codes, s->scale, s->zero, a, i0, mb, s->row, out);
+        else
 #endif
-                    row_dot_int8_portable(m, s.codes, s.scale, s.zero, &a, i0, mb, out);
-                for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
-            }
-        }
+            row_dot_int8_portable(m, s->codes, s->scale, s->zero, a, i0, mb, out);
+        for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
     }
-    free(a.q), free(a.d), free(a.gsum);
-    return failed ? -1 : 0;
 }
 
 /* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
  * gate and up): one parallel region over all their rows instead of one each.
- * All matrices share k, bits and group size. */
+ * All matrices share k, bits and group size. int8_acts: round x to int8 blocks
+ * first (where k and the group size allow) and use integer dot products. */
 static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads,
                      int int8_acts) {
     const QMatrix *m0 = &ms[0];
     int failed = 0;
     int64_t first_row[MAX_MATRICES + 1] = {0};
     for (int i = 0; i < count; i++) first_row[i + 1] = first_row[i] + ms[i].n;
-    if (int8_acts && int8_eligible(m0)) return gemm_many_int8(ms, count, first_row, x, rows, ys, threads);
-    /* Group sums of x, for applying zero points once per group. */
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
-    if (!xsum) return -1;
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t g = 0; g < m0->groups; g++) {
-            int64_t lo = g * m0->group_size, hi = lo + m0->group_size < m0->k ? lo + m0->group_size : m0->k;
-            double acc = 0;
-            for (int64_t j = lo; j < hi; j++) acc += x[i * m0->k + j];
-            xsum[i * m0->groups + g] = (float)acc;
+    const int use_int8 = int8_acts && int8_eligible(m0);
+    Int8Acts a = {NULL, NULL, NULL};
+    float *xsum = NULL;
+    if (use_int8) {
+        a.q = malloc((size_t)(rows * m0->k));
+        a.d = malloc(sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
+        a.gsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
+        if (!a.q || !a.d || !a.gsum) {
+            free(a.q), free(a.d), free(a.gsum);
+            return -1;
         }
+        quantize_activations(m0, x, rows, &a);
+    } else { /* group sums of x, for applying zero points once per group */
+        xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
+        if (!xsum) return -1;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t g = 0; g < m0->groups; g++) {
+                int64_t lo = g * m0->group_size, hi = lo + m0->group_size < m0->k ? lo + m0->group_size : m0->k;
+                double acc = 0;
+                for (int64_t j = lo; j < hi; j++) acc += x[i * m0->k + j];
+                xsum[i * m0->groups + g] = (float)acc;
+            }
+    }
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         Scratch s;
@@ -650,32 +650,16 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < first_row[count]; row++) {
             if (!ok) continue;
-            int64_t r;
-            const int which = matrix_of(first_row, row, &r);
-            const QMatrix *m = &ms[which];
-            float *y = ys[which];
-            unpack_row(m->qweight + r * m->row_bytes, m->bits, m->k, s.codes);
-            scales_and_zeros(m, r, s.scale, s.zero, s.zero_codes);
-            const float b = m->bias ? m->bias[r] : 0.0f;
-#ifdef PB_X86
-            if (use_avx2) {
-                float out[ROW_BLOCK];
-                for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
-                    int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
-                    if (simd_level >= LEVEL_AVX512)
-                        row_times_x_avx512(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
-                    else
-                        row_times_x_avx2(m, s.codes, s.scale, s.zero, x + i0 * m->k, xsum + i0 * m->groups, mb, out);
-                    for (int j = 0; j < mb; j++) y[(i0 + j) * m->n + r] = out[j] + b;
-                }
-                continue;
-            }
-#endif
-            dequant_row(m, s.codes, s.scale, s.zero, s.row);
-            for (int64_t i = 0; i < rows; i++) y[i * m->n + r] = dot(s.row, x + i * m->k, m->k) + b;
+            int which = 0;
+            while (row >= first_row[which + 1]) which++;
+            const int64_t r = row - first_row[which];
+            if (use_int8)
+                int8_row(&ms[which], r, &a, rows, &s, ys[which]);
+            else
+                float_row(&ms[which], r, x, xsum, rows, &s, ys[which]);
         }
     }
-    free(xsum);
+    free(a.q), free(a.d), free(a.gsum), free(xsum);
     return failed ? -1 : 0;
 }
 
