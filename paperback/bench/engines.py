@@ -39,8 +39,11 @@ class BenchConfig:
 
         if self.prompt_tokens < 1 or self.decode_tokens < 2 or self.repeats < 1:
             raise PaperbackError("prompt tokens >= 1, decode tokens >= 2 and repeats >= 1 are required")
-        if self.decode_activations not in ("fp32", "int8"):
-            raise PaperbackError(f"decode activations must be fp32 or int8, got {self.decode_activations!r}")
+        from paperback.quantization.kernels import DECODE_ACTIVATIONS
+
+        if self.decode_activations not in DECODE_ACTIVATIONS:
+            raise PaperbackError(f"decode activations must be one of {' or '.join(DECODE_ACTIVATIONS)}, got "
+                                 f"{self.decode_activations!r}")
         if self.threads is not None and self.threads < 1:
             raise PaperbackError("threads must be at least 1")
         if not self.batches or min(self.batches) < 1:

@@ -93,7 +93,8 @@ def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
     finally:
         for owner, attr, original in originals:
             setattr(owner, attr, original)
-        del model.forward, model.logits  # back to the class's methods
+        vars(model).pop("forward", None)  # back to the class's methods
+        vars(model).pop("logits", None)
         for hook in hooks:
             hook.remove()
     inside = sum(timers.seconds.values())

@@ -18,6 +18,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from paperback.errors import PaperbackError
+
 log = logging.getLogger(__name__)
 
 try:  # torch is imported first so the extension shares torch's libgomp (one thread pool)
@@ -47,17 +49,15 @@ enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 # sets it at import; set_decode_activations() at run time.
 DECODE_ACTIVATIONS = ("fp32", "int8")
 decode_activations = os.environ.get("PAPERBACK_DECODE_ACTIVATIONS", "fp32")
-if decode_activations not in DECODE_ACTIVATIONS:
-    raise ValueError(f"PAPERBACK_DECODE_ACTIVATIONS must be one of {', '.join(DECODE_ACTIVATIONS)}, "
-                     f"got {decode_activations!r}")
+if decode_activations not in DECODE_ACTIVATIONS:  # a user error: the CLI prints it on one line
+    raise PaperbackError(f"PAPERBACK_DECODE_ACTIVATIONS must be one of {', '.join(DECODE_ACTIVATIONS)}, "
+                         f"got {decode_activations!r}")
 
 
 def set_decode_activations(mode: str) -> str:
     """Choose how decode rows meet the packed codes ("fp32" or "int8"); returns the previous mode."""
     global decode_activations
     if mode not in DECODE_ACTIVATIONS:
-        from paperback.errors import PaperbackError
-
         raise PaperbackError(f"decode activations must be one of {', '.join(DECODE_ACTIVATIONS)}, got {mode!r}")
     previous, decode_activations = decode_activations, mode
     return previous
