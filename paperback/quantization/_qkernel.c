@@ -195,20 +195,22 @@ AVX2 static float dot_avx2(const float *a, const float *b, int64_t count) {
     return s;
 }
 
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512"};
+/* Each level includes the ones below it: avx512vnni adds vpdpbusd for int8 activations. */
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVELS = 4 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni"};
 
 static int best_level(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
         return PORTABLE;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return LEVEL_AVX512;
-    return LEVEL_AVX2;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl")))
+        return LEVEL_AVX2;
+    return __builtin_cpu_supports("avx512vnni") ? LEVEL_VNNI : LEVEL_AVX512;
 }
 #else
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512"};
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVELS = 4 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni"};
 static int best_level(void) { return PORTABLE; }
 #endif
 
@@ -559,6 +561,94 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
 }
 #endif
 
+#ifdef PB_X86
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* Two blocks' 64 codes as unsigned bytes, in the activations' order. vpdpbusd
+ * sums four unsigned x signed byte products into an int32 without saturating,
+ * so 8-bit codes go in as they are (no c - 128) and the zero term is plain z.
+ * 4-bit: the 32 packed bytes give [low nibbles b, b+1 | high nibbles b, b+1];
+ * the 128-bit lanes are reordered to [low b, high b, low b+1, high b+1]. */
+VNNI static inline __m512i pair_codes(const QMatrix *m, const uint8_t *packed, const uint8_t *codes, int64_t b) {
+    if (m->bits == 4) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (QBLOCK / 2)));
+        const __m256i low4 = _mm256_set1_epi8(0x0f);
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    return _mm512_loadu_si512((const void *)(codes + b * QBLOCK));
+}
+
+/* The last block of an odd count, in the low half (the high half's activations are zero). */
+VNNI static inline __m512i last_codes(const QMatrix *m, const uint8_t *packed, const uint8_t *codes, int64_t b) {
+    if (m->bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(packed + b * (QBLOCK / 2)));
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        return _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+    }
+    return _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + b * QBLOCK)));
+}
+
+/* row_dot_int8_avx2 with vpdpbusd: two blocks per instruction, each block's 8 int32 lanes weighted by its
+ * own s_g d_b (the two may fall in different groups at g32). */
+VNNI static inline __attribute__((always_inline)) void row_dot_int8_vnni(const QMatrix *m, const uint8_t *packed,
+                                                                         const uint8_t *codes, const float *scale,
+                                                                         const float *zero, const Int8Acts *a,
+                                                                         int64_t first, int mb, float *sz,
+                                                                         float *out) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    __m512 total[8], total2 = _mm512_setzero_ps();
+    for (int j = 0; j < mb; j++) total[j] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        const __m512i c = pair_codes(m, packed, codes, b);
+        const float s0 = scale[b / per_group], s1 = scale[(b + 1) / per_group];
+        for (int j = 0; j < mb; j++) {
+            const int64_t r = first + j;
+            const float *d = a->d + r * blocks + b;
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c,
+                                                  _mm512_loadu_si512((const void *)(a->q + r * m->k + b * QBLOCK)));
+            const __m512 w = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0 * d[0]), _mm512_set1_ps(s1 * d[1]));
+            if (mb == 1 && (b & 2)) /* a second chain over alternate pairs hides the FMA latency */
+                total2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), w, total2);
+            else
+                total[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), w, total[j]);
+        }
+    }
+    if (b < blocks) {
+        const __m512i c = last_codes(m, packed, codes, b);
+        const float s0 = scale[b / per_group];
+        for (int j = 0; j < mb; j++) {
+            const int64_t r = first + j;
+            const __m512i q = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, a->q + r * m->k + b * QBLOCK);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, q);
+            total[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s0 * a->d[r * blocks + b]), total[j]);
+        }
+    }
+    total[0] = _mm512_add_ps(total[0], total2);
+    for (int64_t g = 0; g < m->groups; g++) sz[g] = scale[g] * zero[g];
+    for (int j = 0; j < mb; j++)
+        out[j] = _mm512_reduce_add_ps(total[j]) - dot_avx2(sz, a->gsum + (first + j) * m->groups, m->groups);
+}
+
+VNNI static void row_times_int8_vnni(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
+                                     const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
+                                     float *sz, float *out) {
+    switch (mb) { /* one specialised copy per row count */
+    case 1: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 1, sz, out); break;
+    case 2: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 2, sz, out); break;
+    case 3: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 3, sz, out); break;
+    case 4: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 4, sz, out); break;
+    case 5: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 5, sz, out); break;
+    case 6: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 6, sz, out); break;
+    case 7: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 7, sz, out); break;
+    default: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 8, sz, out); break;
+    }
+}
+#endif
+
 /* Rows of x handled together per weight row: each dequantized weight vector
  * is reused from registers this many times. */
 #define ROW_BLOCK 8
@@ -599,7 +689,9 @@ static void int8_row(const QMatrix *m, int64_t r, const Int8Acts *a, int64_t row
     for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
         int mb = rows - i0 < ROW_BLOCK ? (int)(rows - i0) : ROW_BLOCK;
 #ifdef PB_X86
-        if (use_avx2)
+        if (simd_level >= LEVEL_VNNI)
+            row_times_int8_vnni(m, packed, s->codes, s->scale, s->zero, a, i0, mb, s->row, out);
+        else if (use_avx2)
             row_times_int8_avx2(m, packed, s->codes, s->scale, s->zero, a, i0, mb, s->row, out);
         else
 #endif
@@ -756,11 +848,11 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
     int wanted = -1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < LEVELS; i++)
         if (strcmp(name, LEVEL_NAMES[i]) == 0) wanted = i;
-    if (strcmp(name, "best") == 0) wanted = LEVEL_AVX512;
+    if (strcmp(name, "best") == 0) wanted = LEVELS - 1;
     if (wanted < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, best)", name);
+        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, avx512vnni, best)", name);
         return NULL;
     }
     int best = best_level();
@@ -781,7 +873,7 @@ static PyMethodDef methods[] = {
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(level) -> the code path now in use: the narrower of `level` and what the CPU runs"},
-    {"simd", py_simd, METH_NOARGS, "the code path in use: 'avx512', 'avx2' or 'portable'"},
+    {"simd", py_simd, METH_NOARGS, "the code path in use: 'avx512vnni', 'avx512', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},
 };
 
