@@ -28,7 +28,9 @@ from paperback.quantization.kernels import GEMV_MAX_ROWS, kernel_simd, set_decod
 from paperback.quantization.qlinear import QuantLinear
 
 RESULTS = Path(__file__).parent / "results"
-SHAPES = {"q/o 576x576": (576, 576), "k/v 192x576": (192, 576), "gate/up 1536x576": (1536, 576),
+# The tiny shape has next to no arithmetic: its time is what one call costs (Python, the C call, the thread team).
+SHAPES = {"tiny 32x64 (call cost)": (32, 64), "q/o 576x576": (576, 576), "k/v 192x576": (192, 576),
+          "gate/up 1536x576": (1536, 576),
           "down 576x1536": (576, 1536), "4096x4096": (4096, 4096)}
 SCHEMES = {"W8 ch": QuantScheme(8, None, True), "W4 g128": QuantScheme(4, 128), "W4 g32": QuantScheme(4, 32),
            "W3 g128": QuantScheme(3, 128), "W2 g64": QuantScheme(2, 64)}
