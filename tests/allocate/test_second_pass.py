@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paperback.allocate.allocation import Allocator, Workload
-from paperback.allocate.candidates import head_candidates
+from paperback.allocate.candidates import even_weight_candidate, head_candidates, second_pass_candidates
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import ProfileConfig, Profiler, split_text
 from paperback.allocate.second_pass import SecondPass
@@ -46,6 +46,23 @@ def test_each_candidate_is_the_exact_optimum_with_its_head_scheme():
         head_candidates([head, *blocks], 8)
     assert len(head_candidates([head, *blocks], capacity, count=1)) == 1
     assert head_candidates(blocks, capacity)[0].name == "solve"  # no head unit: the one solve
+
+
+def test_the_even_candidate_holds_every_weight_unit_at_one_scheme_and_solves_the_cache_for_the_rest():
+    head = Group("head", (Option("hi", 8, 0.1), Option("lo", 3, 0.9)))
+    blocks = [Group(f"b{i}", (Option("hi", 4, 0.05 * i), Option("lo", 2, 0.2 + 0.1 * i))) for i in range(3)]
+    kv = Group("kv.0", (Option("fp16", 6, 0.0), Option("kivi2", 1, 0.5)))
+    # 20 bytes: every unit at "hi" (20) leaves no room for the cache's smallest option; "lo" (9) leaves 11.
+    even = even_weight_candidate([head, *blocks, kv], 20)
+    assert even.name == "even lo" and {even.chosen[g.name].label for g in (head, *blocks)} == {"lo"}
+    assert even.chosen["kv.0"].label == "fp16"  # the bytes left go to the cache
+    assert even_weight_candidate([head, *blocks, kv], 25).name == "even hi"  # the better one that fits
+    assert even_weight_candidate([head, *blocks], 5) is None
+    # The second pass measures it beside the mixed solves, unless one of them already is it.
+    mixed = second_pass_candidates([head, *blocks], 13, count=3)
+    assert mixed[-1].name == "even lo" and len(mixed) == len(head_candidates([head, *blocks], 13, count=3)) + 1
+    assert [c.name for c in second_pass_candidates([head, *blocks], 21, count=3)].count("even hi") == 0
+    assert len(second_pass_candidates([head, *blocks], 13, count=1)) == 1  # no second pass: the solve alone
 
 
 @pytest.fixture
