@@ -10,8 +10,8 @@ unit's scheme, and maps the result back through the folded scales (its
 measures candidates with those effective weights swapped in together. A
 checkpoint was then made another way: `quantize_model`, AWQ block by block,
 each block on inputs through the blocks already quantized, its scales
-searched with each linear in its own scheme. For uniform schemes the two
-agree with the profile's sum; for a mixed assignment on Gemma 3 the
+searched with each linear in its own scheme. For uniform schemes the
+profile's sum matched the held-out KL; for a mixed assignment on Gemma 3 the
 held-out KL came out above what the second pass measured. This benchmark
 quantizes each policy (uniform, and paperback's allocation at the same
 bytes) both ways, from the same calibration windows, and scores every

@@ -65,7 +65,7 @@ def even_weight_candidate(groups: list[Group], capacity: float) -> Candidate | N
     labels = set.intersection(*({o.label for o in g.options} for g in weights)) if weights else set()
     best = None
     for label in sorted(labels):
-        held = [Group(g.name, tuple(o for o in g.options if o.label == label)) if g in weights else g
+        held = [g if g.name.startswith("kv.") else Group(g.name, tuple(o for o in g.options if o.label == label))
                 for g in groups]
         try:
             chosen = solve(held, capacity)

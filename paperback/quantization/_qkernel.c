@@ -275,6 +275,19 @@ static int scratch_alloc(Scratch *out, const QMatrix *m) {
 }
 
 #ifdef PB_X86
+/* One specialised copy of CALL(n) per row count n = 1..8 (an inlined kernel unrolls its loops over rows). */
+#define BY_ROW_COUNT(mb, CALL)                                                                                    \
+    switch (mb) {                                                                                                 \
+    case 1: CALL(1); break;                                                                                       \
+    case 2: CALL(2); break;                                                                                       \
+    case 3: CALL(3); break;                                                                                       \
+    case 4: CALL(4); break;                                                                                       \
+    case 5: CALL(5); break;                                                                                       \
+    case 6: CALL(6); break;                                                                                       \
+    case 7: CALL(7); break;                                                                                       \
+    default: CALL(8); break;                                                                                      \
+    }
+
 /* y[j] = sum_k w[k] x[j][k] for one weight row and `mb` (1..8) rows of x.
  * Per group, sum_k (c - z) s x = s (sum_k c x - z sum_k x): the codes meet x
  * as plain floats (one convert and one FMA per 8 codes) and the zero point
@@ -318,16 +331,9 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_avx2(const QMatri
 
 AVX2 static void row_times_x_avx2(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
                                   const float *x, const float *xsum, int mb, float *out) {
-    switch (mb) { /* one specialised copy per row count */
-    case 1: row_dot_avx2(m, codes, scale, zero, x, xsum, 1, out); break;
-    case 2: row_dot_avx2(m, codes, scale, zero, x, xsum, 2, out); break;
-    case 3: row_dot_avx2(m, codes, scale, zero, x, xsum, 3, out); break;
-    case 4: row_dot_avx2(m, codes, scale, zero, x, xsum, 4, out); break;
-    case 5: row_dot_avx2(m, codes, scale, zero, x, xsum, 5, out); break;
-    case 6: row_dot_avx2(m, codes, scale, zero, x, xsum, 6, out); break;
-    case 7: row_dot_avx2(m, codes, scale, zero, x, xsum, 7, out); break;
-    default: row_dot_avx2(m, codes, scale, zero, x, xsum, 8, out); break;
-    }
+#define ROWS_CALL(n) row_dot_avx2(m, codes, scale, zero, x, xsum, n, out)
+    BY_ROW_COUNT(mb, ROWS_CALL);
+#undef ROWS_CALL
 }
 #endif
 
@@ -381,16 +387,9 @@ AVX512 static inline __attribute__((always_inline)) void row_dot_avx512(const QM
 
 AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, const float *scale, const float *zero,
                                       const float *x, const float *xsum, int mb, float *out) {
-    switch (mb) {
-    case 1: row_dot_avx512(m, codes, scale, zero, x, xsum, 1, out); break;
-    case 2: row_dot_avx512(m, codes, scale, zero, x, xsum, 2, out); break;
-    case 3: row_dot_avx512(m, codes, scale, zero, x, xsum, 3, out); break;
-    case 4: row_dot_avx512(m, codes, scale, zero, x, xsum, 4, out); break;
-    case 5: row_dot_avx512(m, codes, scale, zero, x, xsum, 5, out); break;
-    case 6: row_dot_avx512(m, codes, scale, zero, x, xsum, 6, out); break;
-    case 7: row_dot_avx512(m, codes, scale, zero, x, xsum, 7, out); break;
-    default: row_dot_avx512(m, codes, scale, zero, x, xsum, 8, out); break;
-    }
+#define ROWS_CALL(n) row_dot_avx512(m, codes, scale, zero, x, xsum, n, out)
+    BY_ROW_COUNT(mb, ROWS_CALL);
+#undef ROWS_CALL
 }
 #endif
 
@@ -548,16 +547,9 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const Q
 AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
                                      const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
                                      float *sz, float *out) {
-    switch (mb) { /* one specialised copy per row count */
-    case 1: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 1, sz, out); break;
-    case 2: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 2, sz, out); break;
-    case 3: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 3, sz, out); break;
-    case 4: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 4, sz, out); break;
-    case 5: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 5, sz, out); break;
-    case 6: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 6, sz, out); break;
-    case 7: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 7, sz, out); break;
-    default: row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, 8, sz, out); break;
-    }
+#define ROWS_CALL(n) row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, n, sz, out)
+    BY_ROW_COUNT(mb, ROWS_CALL);
+#undef ROWS_CALL
 }
 #endif
 
@@ -636,16 +628,9 @@ VNNI static inline __attribute__((always_inline)) void row_dot_int8_vnni(const Q
 VNNI static void row_times_int8_vnni(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
                                      const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
                                      float *sz, float *out) {
-    switch (mb) { /* one specialised copy per row count */
-    case 1: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 1, sz, out); break;
-    case 2: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 2, sz, out); break;
-    case 3: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 3, sz, out); break;
-    case 4: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 4, sz, out); break;
-    case 5: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 5, sz, out); break;
-    case 6: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 6, sz, out); break;
-    case 7: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 7, sz, out); break;
-    default: row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, 8, sz, out); break;
-    }
+#define ROWS_CALL(n) row_dot_int8_vnni(m, packed, codes, scale, zero, a, first, n, sz, out)
+    BY_ROW_COUNT(mb, ROWS_CALL);
+#undef ROWS_CALL
 }
 #endif
 
