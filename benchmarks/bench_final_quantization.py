@@ -31,13 +31,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 from bench_allocation import paperback_policy  # noqa: E402
-from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
+from bench_second_pass import weights_only_setup  # noqa: E402
 from paperback.allocate.baselines import param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.candidates import DEFAULT_CANDIDATES  # noqa: E402
 from paperback.allocate.probe import ReferenceProbe, swapped_weights  # noqa: E402
-from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
+from paperback.allocate.profile import PROFILE_AWQ  # noqa: E402
 from paperback.allocate.quantized_units import quantized_blocks, unit_weights  # noqa: E402
-from paperback.allocate.second_pass import SecondPass  # noqa: E402
 from paperback.allocate.units import HEAD_UNIT  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import evaluate, load_text  # noqa: E402
@@ -85,12 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     warn_if_busy()
     torch.manual_seed(0)
-    full = load_model(args.model, "fp32")
-    text = load_text(args.text)
-    profile = Profiler(full.model, full.tokenizer, text, args.text, ProfileConfig("awq")).run()
-    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    full, text, _, allocator, second = weights_only_setup(args.model, args.text)
     units, shapes = allocator.units, param_shapes(allocator.units)
-    second = SecondPass(full.model, full.tokenizer, text, ProfileConfig.from_dict(profile["config"]), units)
     probe = ReferenceProbe(full.model, second.split.head_windows)
     calibration = calibration_batch(full.tokenizer, CalibrationConfig(args.text, args.calib_samples, 512, span=0.5))
     tokens = full.tokenizer.encode(text, add_special_tokens=False)

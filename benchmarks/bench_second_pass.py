@@ -29,18 +29,24 @@ from paperback.loading import load_model  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 
+def weights_only_setup(model: str, text_name: str):
+    """(full model, text, its default AWQ profile, an allocator over weight units alone, the second pass)."""
+    full = load_model(model, "fp32")
+    text = load_text(text_name)
+    profile = Profiler(full.model, full.tokenizer, text, text_name, ProfileConfig("awq")).run()
+    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    second = SecondPass(full.model, full.tokenizer, text, ProfileConfig.from_dict(profile["config"]), allocator.units)
+    return full, text, profile, allocator, second
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma3")
     parser.add_argument("--text", default="pydoc")
     parser.add_argument("--budgets", nargs="+", default=["W4a-g128", "W4a-g64"])
     args = parser.parse_args()
-    full = load_model(args.model, "fp32")
-    text = load_text(args.text)
-    profile = Profiler(full.model, full.tokenizer, text, args.text, ProfileConfig("awq")).run()
-    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    full, text, profile, allocator, second = weights_only_setup(args.model, args.text)
     units, shapes = allocator.units, param_shapes(allocator.units)
-    second = SecondPass(full.model, full.tokenizer, text, ProfileConfig.from_dict(profile["config"]), units)
     rows = []
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
