@@ -40,8 +40,8 @@ import torch  # noqa: E402
 from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
 from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
-from paperback.allocate.candidates import DEFAULT_CANDIDATES, head_candidates, within_additivity  # noqa: E402
-from paperback.allocate.second_pass import SecondPass  # noqa: E402
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, second_pass_candidates, within_additivity  # noqa: E402
+from paperback.allocate.second_pass import ShippedCandidate, ShippedSecondPass  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import evaluate, load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
@@ -53,14 +53,19 @@ from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
 POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
 
-def paperback_policy(allocator: Allocator, budget: int, second: SecondPass, count: int) -> tuple[dict, list]:
+def paperback_policy(allocator: Allocator, budget: int, second: ShippedSecondPass, count: int, quantize
+                     ) -> tuple[dict, list, ShippedCandidate]:
     """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
-    solutions by head scheme, measured whole on the profiled part of the text, the least KL kept."""
-    candidates = head_candidates(allocator.weight_groups(), budget, count)
-    best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")))
-    schemes = allocator.schemes
-    policy = {p: schemes[best.chosen[u.name].label] for u in allocator.units for p in u.params}
-    return policy, [{**c.summary(), "chosen": c is best} for c in candidates]
+    solutions by head scheme and the even-bits one, each quantized by `quantize(model, policy)` and measured
+    whole on the profiled part of the text; the policy, the candidates and the kept model."""
+    candidates = second_pass_candidates(allocator.weight_groups(), budget, count)
+
+    def policy_of(candidate) -> dict:
+        return {p: allocator.schemes[candidate.chosen[u.name].label] for u in allocator.units for p in u.params}
+
+    best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")),
+                         lambda model, c: quantize(model, policy_of(c)))
+    return policy_of(best.candidate), [{**c.summary(), "chosen": c is best.candidate} for c in candidates], best
 
 
 def predicted_kl(profile: dict, units, policy: dict) -> float | None:
@@ -116,9 +121,9 @@ def main() -> None:
     allocator = allocators["paperback"]
     units, shapes = allocator.units, param_shapes(allocator.units)
     candidates = list(allocator.schemes.values())
-    second_passes = {name: SecondPass(full.model, full.tokenizer, load_text(args.text),
-                                      ProfileConfig.from_dict(p["config"]), allocators[name].units)
-               for name, p in profiles.items()}
+    second_passes = {name: ShippedSecondPass(full.model, full.tokenizer, load_text(args.text),
+                                             ProfileConfig.from_dict(p["config"]))
+                     for name, p in profiles.items()}
     calibration = calibration_batch(full.tokenizer, CalibrationConfig(args.text, args.calib_samples, 512, span=0.5))
     texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
     if args.text in texts:  # in domain: score only the half nothing was profiled or calibrated on
@@ -126,27 +131,37 @@ def main() -> None:
     bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
     reference_cache: dict = {}
 
+    awq = AWQConfig(search_samples=args.calib_samples) if args.full_awq else PROFILE_AWQ
+
+    def quantize(model, policy: dict) -> dict:
+        """One policy quantized in place, every policy alike: the same method, AWQ settings and calibration."""
+        config = QuantizeConfig(args.method, next(iter(policy.values())), awq=awq,
+                                targets=BLOCK_LINEARS + ("head",), layer_schemes=policy)
+        return quantize_model(model, config, calibration, progress=False)
+
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
-        # Each policy: ({param: scheme}, the second pass's candidates or None).
-        policies = {"uniform": lambda: (uniform_policy(units, allocator.schemes[label]), None),
-                    "llama.cpp": lambda: (llama_cpp_mix(units, full.config.num_layers, candidates, budget), None),
+        # Each policy: ({param: scheme}, the second pass's candidates or None, its kept model or None).
+        policies = {"uniform": lambda: (uniform_policy(units, allocator.schemes[label]), None, None),
+                    "llama.cpp": lambda: (llama_cpp_mix(units, full.config.num_layers, candidates, budget), None,
+                                          None),
                     **{name: lambda name=name: paperback_policy(allocators[name], budget, second_passes[name],
-                                                                args.candidates) for name in allocators}}
+                                                                args.candidates, quantize)
+                       for name in allocators}}
         for name in args.policies:
             if (label, name) in cells:
                 continue
-            policy, second_pass = policies[name]()
+            policy, second_pass, shipped = policies[name]()
             used = policy_bytes(shapes, policy)
             if not 0.99 * budget <= used <= budget:
                 raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")
-            lm = load_model(args.model, "fp32", with_tokenizer=False)
-            awq = AWQConfig(search_samples=args.calib_samples) if args.full_awq else PROFILE_AWQ
-            config = QuantizeConfig(args.method, allocator.schemes[label], awq=awq,
-                                    targets=BLOCK_LINEARS + ("head",), layer_schemes=policy)
-            start = time.perf_counter()
-            quantize_model(lm.model, config, calibration, progress=False)
-            seconds = time.perf_counter() - start
+            if shipped is not None:  # the second pass's kept model is the one scored, not quantized again
+                model, seconds = shipped.model, shipped.seconds
+            else:
+                model = load_model(args.model, "fp32", with_tokenizer=False).model
+                start = time.perf_counter()
+                quantize(model, policy)
+                seconds = time.perf_counter() - start
             cell = {"budget": label, "policy": name, "bytes": used, "budget_bytes": budget,
                     "bits_per_weight": 8 * used / sum(u.numel for u in units),
                     "predicted_kl": predicted_kl(profiles.get(name, profile), units, policy),
@@ -154,7 +169,7 @@ def main() -> None:
                     "second_pass": second_pass,
                     "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
             for data, tokens in texts.items():
-                r = evaluate(lm.model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,
+                r = evaluate(model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,
                              progress=False, bos_token_id=bos, reference_cache=reference_cache)
                 cell[data] = {"kl": r.kl_divergence, "perplexity": r.perplexity,
                               "reference_perplexity": r.reference_perplexity, "tokens": r.tokens_scored}

@@ -30,10 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-from bench_allocation import paperback_policy  # noqa: E402
-from bench_second_pass import weights_only_setup  # noqa: E402
+from bench_second_pass import HEAD_CANDIDATES, weights_only_setup  # noqa: E402
 from paperback.allocate.baselines import param_shapes, policy_bytes, uniform_policy  # noqa: E402
-from paperback.allocate.candidates import DEFAULT_CANDIDATES  # noqa: E402
+from paperback.allocate.candidates import head_candidates, within_additivity  # noqa: E402
 from paperback.allocate.probe import ReferenceProbe, swapped_weights  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ  # noqa: E402
 from paperback.allocate.quantized_units import quantized_blocks, unit_weights  # noqa: E402
@@ -96,8 +95,11 @@ def main() -> None:
     cells = []
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
-        paperback, candidates = paperback_policy(allocator, budget, second, DEFAULT_CANDIDATES)
-        chosen = next(c for c in candidates if c["chosen"])
+        # The allocation as the effective-weights second pass chose it then: the best solves by head scheme.
+        candidates = head_candidates(allocator.weight_groups(), budget, HEAD_CANDIDATES)
+        best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")))
+        paperback = {p: allocator.schemes[best.chosen[u.name].label] for u in units for p in u.params}
+        chosen = {"predicted_kl": best.predicted, "measured_kl": best.measured}
         for name, policy in (("uniform", uniform_policy(units, allocator.schemes[label])), ("paperback", paperback)):
             for way in WAYS:
                 lm = load_model(args.model, "fp32", with_tokenizer=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paperback.allocate.candidates import Candidate, head_candidates
+from paperback.allocate.candidates import Candidate, second_pass_candidates
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
 from paperback.allocate.units import (WeightUnit, fixed_weight_bytes, kv_layer_bytes, parse_kv_candidates,
                                       parse_weight_candidates, pool_block_size, with_retention)
@@ -193,12 +193,13 @@ class Allocator:
 
     def candidates(self, count: int, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
                    evict: bool = False, retrieval_kl: float | None = None) -> list[Candidate]:
-        """`allocate`'s solve once per scheme of the output head, the best `count` by predicted KL, for the
-        second pass to measure (allocate.second_pass); the first is `allocate`'s own choice."""
+        """`allocate`'s solve once per scheme of the output head, the best `count` by predicted KL, and the
+        best solve with every weight unit at one scheme, for the second pass to measure
+        (allocate.second_pass); the first is `allocate`'s own choice."""
         groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
         if min_bytes(groups) > self.capacity():  # refused naming the nearest feasible point, as allocate does
             raise InfeasibleBudget(self.infeasible_message(groups))
-        return head_candidates(groups, self.capacity(), count)
+        return second_pass_candidates(groups, self.capacity(), count)
 
     def allocation_of(self, candidate: Candidate) -> Allocation:
         return self._allocation(candidate.chosen)

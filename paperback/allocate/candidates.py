@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
 from paperback.allocate.units import HEAD_UNIT
 
-# Candidates kept by default: the solve's own choice and the next two head schemes by prediction (on Gemma 3
-# at the W4 g64 budget the second is 0.007 nats behind by prediction and level when measured; the rest trail
-# by 0.3 or more).
-DEFAULT_CANDIDATES = 3
+# Solutions by head scheme kept by default: the solve's own choice and the next head scheme by prediction (on
+# Gemma 3 at the W4 g64 budget the second is 0.007 nats behind by prediction and level when measured; the rest
+# trail by 0.3 or more, and each candidate measured now costs a whole quantization).
+DEFAULT_CANDIDATES = 2
 
 
 @dataclass

@@ -16,14 +16,14 @@ from pathlib import Path
 from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
 from paperback.allocate.candidates import DEFAULT_CANDIDATES, within_additivity
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
-from paperback.allocate.second_pass import SecondPass
+from paperback.allocate.second_pass import ShippedSecondPass
 from paperback.allocate.units import BLOCK_UNITS, retention_label
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.schemes import parse_kv_scheme
 from paperback.quantization.awq import AWQConfig
-from paperback.quantization.calibration import CalibrationConfig
-from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig
-from paperback.quantization.pipeline import quantize_to_checkpoint
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.model_pass import BLOCK_LINEARS, METHODS, QuantizeConfig, quantize_model
+from paperback.quantization.pipeline import save_quantized
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class FitConfig:
     # Most answer KL of a long-range lookup any one layer's KV option may cost (the profile's retrieval part);
     # None: not constrained.
     retrieval_kl: float | None = None
-    # Candidate solutions the second pass measures whole on the profiled text (allocate.second_pass); 1: none.
+    # Solutions by head scheme the second pass quantizes and measures whole on the profiled text, besides the
+    # even-bits one (allocate.second_pass); 1: the solve alone, not measured.
     candidates: int = DEFAULT_CANDIDATES
 
     def to_dict(self) -> dict:
@@ -105,11 +106,8 @@ class Fit:
         self.seconds["profile"] = time.perf_counter() - t0
         allocator = Allocator(self.profile, self.lm.model, self.config.workload)
         t0 = time.perf_counter()
-        allocation, second_pass = self._allocate(allocator)
-        self.seconds["second_pass"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        summary = self._quantize(allocation, allocator)
-        self.seconds["quantize"] = time.perf_counter() - t0
+        allocation, second_pass, summary = self._allocate_and_quantize(allocator)
+        self.seconds["second_pass_and_quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         quality = self._evaluate(reference_lm, allocation)
         self.seconds["evaluate"] = time.perf_counter() - t0
@@ -124,34 +122,44 @@ class Fit:
                             "seconds": self.profile.get("seconds", {})},
                 "tokens": self.profile.get("tokens"), "seconds": self.seconds, "config": self.config.to_dict()}
 
-    def _allocate(self, allocator: Allocator) -> tuple[Allocation, list[dict]]:
-        """The solve's best candidates by head scheme, measured whole on the profiled text; the least KL kept."""
+    def _allocate_and_quantize(self, allocator: Allocator) -> tuple[Allocation, list[dict], dict]:
+        """The solve's best candidates by head scheme and the even-bits one, each quantized by the final pass
+        and measured whole on the profiled text (the ones the additivity check rules out are not); the model
+        with the least KL is the one written."""
         from paperback.kv.policy import build_policy
 
         cfg = self.config
         candidates = allocator.candidates(cfg.candidates, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
         plausible = within_additivity(candidates, self.profile.get("additivity"))
-        second = SecondPass(self.lm.model, self.lm.tokenizer, self.text,
-                            ProfileConfig.from_dict(self.profile["config"]), allocator.units, self.progress)
-        best = second.choose(plausible, lambda c: build_policy(
-            self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
-        return allocator.allocation_of(best), [{**c.summary(), "chosen": c is best} for c in candidates]
-
-    def _quantize(self, allocation: Allocation, allocator: Allocator) -> dict:
-        cfg = self.config
-        units = allocator.units
-        targets = BLOCK_LINEARS + (("head",) if any(u.layer is None for u in units) else ())
-        schemes = allocation.layer_schemes(units)
-        quantize = QuantizeConfig(cfg.profile.method, next(iter(schemes.values())),
-                                  awq=AWQConfig(search_samples=cfg.calib_samples), targets=targets,
-                                  layer_schemes=schemes)
         calibration = CalibrationConfig(cfg.text_source, cfg.calib_samples, cfg.profile.window_tokens,
                                         cfg.profile.seed, span=cfg.profile.span)
+        if not METHODS[cfg.profile.method].calibrated:
+            calibration = None
+        batch = calibration_batch(self.lm.tokenizer, calibration) if calibration is not None else None
+
+        def quantize(model, candidate):
+            return quantize_model(model, self._quantize_config(allocator.allocation_of(candidate), allocator), batch,
+                                  progress=self.progress)
+
+        second = ShippedSecondPass(self.lm.model, self.lm.tokenizer, self.text,
+                                   ProfileConfig.from_dict(self.profile["config"]), self.progress)
+        best = second.choose(plausible, quantize, lambda c: build_policy(
+            self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
+        allocation = allocator.allocation_of(best.candidate)
+        self.lm.model = best.model
         extra = {"kv_policy": allocation.kv_policy_spec(), "allocation": allocation.to_dict(),
                  "fit": {"workload": asdict(cfg.workload), "text": self.profile["text"],
                          "profile_model": self.profile["model"]["fingerprint"]}}
-        return quantize_to_checkpoint(self.lm, quantize, calibration, self.out_dir, self.overwrite,
-                                      self.progress, extra)
+        summary = save_quantized(self.lm, self._quantize_config(allocation, allocator), calibration, best.weights,
+                                 best.seconds, self.out_dir, self.overwrite, extra)
+        return allocation, [{**c.summary(), "chosen": c is best.candidate} for c in candidates], summary
+
+    def _quantize_config(self, allocation: Allocation, allocator: Allocator) -> QuantizeConfig:
+        cfg = self.config
+        targets = BLOCK_LINEARS + (("head",) if any(u.layer is None for u in allocator.units) else ())
+        schemes = allocation.layer_schemes(allocator.units)
+        return QuantizeConfig(cfg.profile.method, next(iter(schemes.values())),
+                              awq=AWQConfig(search_samples=cfg.calib_samples), targets=targets, layer_schemes=schemes)
 
     def _evaluate(self, reference_lm, allocation: Allocation) -> dict:
         from paperback.evaluation.needle import run_needles

@@ -1,21 +1,34 @@
 """The allocator's second, measured pass: a few candidate solutions, each measured whole, the best kept.
 
-The solve minimises a sum of costs each measured with one unit changed. The
-one unit whose cost does not add is the output head when it is tied to the
-embedding: its error changes every block's input as well as the logits, so
-on Gemma 3 at the W4 g64 budget moving the head from g64 to g128 and
-spending the bytes saved on blocks measured 0.010 nats worse than the sum of
-the two changes (docs/allocation.md). So the allocator solves once per
-scheme of the head (each the exact optimum with the head held there), keeps
-the best few by predicted KL, and this module measures each candidate as a
-whole on the profiled part of the text, every block's effective weights
-swapped in (as the profile's additivity check does) and the KV cache in the
-candidate's formats, and keeps the one with the least measured KL. The
-evaluation text is never read: only the part the profile read.
+The solve minimises a sum of costs each measured with one unit changed, and
+two things it cannot see decide the last few percent at 4 bits. The output
+head, when tied to the embedding, changes every block's input as well as
+the logits, so its cost does not add to the blocks' (on Gemma 3 at the W4
+g64 budget, 0.010 nats off the sum; docs/allocation.md). And the final
+quantization calibrates on more text than the profile did: AWQ from 16
+windows instead of 2 moves the same assignment's KL by 3-4%, as much as a
+mix's predicted gain over even bits. So the allocator solves once per
+scheme of the head and once with every weight unit held at one scheme
+(allocate.candidates), and a second pass measures each candidate whole on
+the part of the text the profile read, every unit and the KV cache in the
+candidate's formats at once, and keeps the least KL. The evaluation text
+is never read.
+
+Two ways to measure:
+- `ShippedSecondPass` (what `fit` and bench_allocation use): each candidate
+  quantized by the final pass itself (its method, calibration and settings)
+  from a fresh copy of the model, so the model measured is the model
+  written, and the best one is kept rather than quantized again;
+- `SecondPass`: the profile's own effective weights (each block quantized
+  from exact inputs with the profile's calibration) swapped in; cheaper,
+  and what bench_second_pass and bench_final_quantization compare against.
 """
 
 from __future__ import annotations
 
+import copy
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +40,15 @@ from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, ProfileText, 
 from paperback.allocate.quantized_units import EffectiveWeight, effective_key, quantized_blocks, unit_weights
 from paperback.allocate.units import HEAD_UNIT, WeightUnit, parse_weight_candidates
 from paperback.kv.policy import KVPolicy
-from paperback.quantization.rtn import quantize_rtn
+from paperback.models import DecoderLM
+from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
+
+
+def profiled_split(model: DecoderLM, tokenizer, text: str, config: ProfileConfig) -> ProfileText:
+    """The windows the profile read from `text` (the same split, so the head windows are the same)."""
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "adds_bos", False) else None
+    return split_text(tokenizer.encode(text, add_special_tokens=False), config, bos,
+                      model.config.max_position_embeddings)
 
 
 @dataclass
@@ -53,9 +74,7 @@ class SecondPass:
     def split(self) -> ProfileText:
         """The profiled text's windows, tokenized only when a choice is measured."""
         if self._split is None:
-            bos = self.tokenizer.bos_token_id if getattr(self.tokenizer, "adds_bos", False) else None
-            self._split = split_text(self.tokenizer.encode(self.text, add_special_tokens=False), self.config, bos,
-                                     self.model.config.max_position_embeddings)
+            self._split = profiled_split(self.model, self.tokenizer, self.text, self.config)
         return self._split
 
     def choose(self, candidates: list[Candidate], kv_policy=None) -> Candidate:
@@ -103,3 +122,58 @@ class SecondPass:
         for unit in self.units:
             swap.update(unit_weights(self._effective, unit, candidate.chosen[unit.name].label))
         return swap
+
+
+@dataclass
+class ShippedCandidate:
+    """A candidate quantized as it ships: the model (fake-quantized weights), its quantized weights, seconds."""
+
+    candidate: Candidate
+    model: DecoderLM
+    weights: dict[str, QuantizedWeight]
+    seconds: float
+
+
+# quantize(model, candidate): quantizes the model in place as the final pass does; returns its quantized weights.
+Quantize = Callable[[DecoderLM, Candidate], dict[str, QuantizedWeight]]
+
+
+@dataclass
+class ShippedSecondPass:
+    """Measures candidates as they ship: each quantized by `quantize` from a fresh copy of `model` (the full
+    model, left unchanged), measured on the profiled head windows of `text`, the best model kept."""
+
+    model: DecoderLM
+    tokenizer: object
+    text: str
+    config: ProfileConfig
+    progress: bool = True
+    _probe: ReferenceProbe | None = None  # the full model's reference, made once for every budget asked
+
+    def choose(self, candidates: list[Candidate], quantize: Quantize,
+               kv_policy: Callable[[Candidate], KVPolicy | None] | None = None) -> ShippedCandidate:
+        """The candidate with the least measured KL, quantized (each one's `measured` filled in; with one
+        candidate, it is quantized and not measured). Two models are held at a time: the best so far and
+        the one being measured."""
+        if len(candidates) == 1:
+            return self._quantized(candidates[0], quantize)
+        if self._probe is None:
+            self._probe = ReferenceProbe(self.model, profiled_split(self.model, self.tokenizer, self.text,
+                                                                    self.config).head_windows, self.config.kv_chunk)
+        best: ShippedCandidate | None = None
+        for c in tqdm(candidates, desc="second pass", unit="candidate", disable=None if self.progress else True,
+                      leave=False):
+            shipped = self._quantized(c, quantize)
+            policy = kv_policy(c) if kv_policy is not None else None
+            # The quantized copy's every parameter (AWQ also changed norms) swapped into the probe's model.
+            with swapped_weights(self.model, {n: p.data for n, p in shipped.model.named_parameters()}):
+                c.measured = self._probe.kl_full(policy)
+            if best is None or c.measured < best.candidate.measured:
+                best = shipped
+        return best
+
+    def _quantized(self, candidate: Candidate, quantize: Quantize) -> ShippedCandidate:
+        model = copy.deepcopy(self.model)
+        start = time.perf_counter()
+        weights = quantize(model, candidate)
+        return ShippedCandidate(candidate, model, weights, time.perf_counter() - start)

@@ -58,8 +58,9 @@ def register(sub) -> None:
                         f"from the profile's retrieval part; 'auto': {RETRIEVAL_KL} with --evict, else off; "
                         "'off': unconstrained")
     p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
-                   help="solutions the second pass measures whole on the profiled text, one per scheme of the "
-                        f"output head, the least KL kept (default {DEFAULT_CANDIDATES}; 1: the solve's own)")
+                   help="solutions by scheme of the output head that the second pass quantizes and measures whole "
+                        "on the profiled text, besides the even-bits one; the least KL is written (default "
+                        f"{DEFAULT_CANDIDATES}; 1: the solve's own, not measured)")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")

@@ -17,20 +17,26 @@ def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationC
     calibration: the samples GPTQ and AWQ read (None for RTN). extra_recipe: more
     recipe entries (a fitted checkpoint's KV policy and allocation).
     """
-    method = METHODS[config.method]
-    batch = calibration_batch(lm.tokenizer, calibration) if method.calibrated else None
+    batch = calibration_batch(lm.tokenizer, calibration) if METHODS[config.method].calibrated else None
     start = time.perf_counter()
     quantized = quantize_model(lm.model, config, batch, progress=progress)
-    seconds = time.perf_counter() - start
+    return save_quantized(lm, config, calibration if batch is not None else None, quantized,
+                          time.perf_counter() - start, out_dir, overwrite, extra_recipe)
+
+
+def save_quantized(lm, config: QuantizeConfig, calibration: CalibrationConfig | None, quantized: dict,
+                   seconds: float, out_dir: Path, overwrite: bool = False, extra_recipe: dict | None = None) -> dict:
+    """Write lm.model, already quantized by `quantize_model` (its returned `quantized`), as a checkpoint:
+    packed layers swapped in, the recipe saying how it was made; returns a summary."""
     swap_in_quantized(lm.model, quantized)
     forward_dtype = "bf16" if autocast_dtype(config, lm.model.device) else "fp32"
     recipe = {
         "source_model": str(lm.source.path),
         "method": config.method,
         "scheme": config.scheme.to_dict() if not config.mixed_blocks else None,
-        **(method.recipe(config, forward_dtype) or {}),  # the method's own settings, under its name
+        **(METHODS[config.method].recipe(config, forward_dtype) or {}),  # the method's own settings, under its name
         "modules": list(config.targets),
-        "calibration": calibration.to_dict() if batch is not None else None,
+        "calibration": calibration.to_dict() if calibration is not None else None,
         "quantize_seconds": seconds,
         "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
         **(extra_recipe or {}),

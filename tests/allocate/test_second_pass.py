@@ -9,9 +9,10 @@ from paperback.allocate.allocation import Allocator, Workload
 from paperback.allocate.candidates import even_weight_candidate, head_candidates, second_pass_candidates
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import ProfileConfig, Profiler, split_text
-from paperback.allocate.second_pass import SecondPass
+from paperback.allocate.second_pass import SecondPass, ShippedSecondPass
 from paperback.allocate.solver import Group, InfeasibleBudget, Option
 from paperback.kv.policy import build_policy
+from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model
 from paperback.quantization.rtn import quantize_rtn
 
 from test_profile import sample_text
@@ -96,6 +97,45 @@ def test_the_second_pass_measures_each_candidate_whole_and_keeps_the_least(profi
     second.choose(candidates, lambda c: policy)
     with swapped_weights(tiny_lm.model, second._weights(candidates[0])):
         assert candidates[0].measured == pytest.approx(probe.kl_full(policy), rel=1e-5)
+
+
+def test_the_shipped_pass_measures_each_candidate_as_quantized_and_keeps_that_model(profile, tiny_lm,
+                                                                                      char_tokenizer):
+    allocator = Allocator(profile, tiny_lm.model, Workload(10 ** 12, 256, 1))
+    groups = allocator.weight_groups()
+    middle = (sum(min(o.bytes for o in g.options) for g in groups) + sum(max(o.bytes for o in g.options)
+                                                                          for g in groups)) / 2
+    candidates = second_pass_candidates(groups, middle, count=2)
+    assert candidates[-1].name.startswith("even ") and len(candidates) == 3
+    quantized_copies = []
+
+    def quantize(model, candidate):  # the final pass, as fit runs it (RTN here: the tiny profile's method)
+        assert model is not tiny_lm.model
+        quantized_copies.append(model)
+        config = QuantizeConfig("rtn", allocator.schemes["W8s-ch"], targets=BLOCK_LINEARS + ("head",),
+                                layer_schemes={p: allocator.schemes[candidate.chosen[u.name].label]
+                                               for u in allocator.units for p in u.params})
+        return quantize_model(model, config, progress=False)
+
+    before = {n: p.detach().clone() for n, p in tiny_lm.model.named_parameters()}
+    second = ShippedSecondPass(tiny_lm.model, char_tokenizer, sample_text(), CONFIG, progress=False)
+    best = second.choose(candidates, quantize)
+    assert all(torch.equal(p, before[n]) for n, p in tiny_lm.model.named_parameters())  # the full model unchanged
+    assert len(quantized_copies) == 3 and best.model is quantized_copies[candidates.index(best.candidate)]
+    assert best.candidate.measured == min(c.measured for c in candidates)
+    # What was measured is the kept model itself, whole, on the profile's head windows, against the full model.
+    windows = split_text(char_tokenizer.encode(sample_text()), CONFIG).head_windows
+    probe = ReferenceProbe(tiny_lm.model, windows, CONFIG.kv_chunk)
+    with swapped_weights(tiny_lm.model, {n: p.data for n, p in best.model.named_parameters()}):
+        assert best.candidate.measured == pytest.approx(probe.kl_full(), rel=1e-5)
+    # The head in the kept model is the kept candidate's scheme: the model is not quantized again.
+    head = next(u.params[0] for u in allocator.units if u.name == "head")
+    scheme = allocator.schemes[best.candidate.chosen["head"].label]
+    assert best.weights[head].scheme == scheme
+    assert torch.equal(dict(best.model.named_parameters())[head], quantize_rtn(before[head], scheme).dequantize())
+    # One candidate: quantized, not measured.
+    fresh = second_pass_candidates(groups, middle, count=1)
+    assert second.choose(fresh, quantize).candidate.measured is None
 
 
 def test_candidates_the_additivity_check_rules_out_are_not_measured():
