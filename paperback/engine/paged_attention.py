@@ -190,6 +190,30 @@ def decode_kernel_available(keys: torch.Tensor) -> bool:
             and keys.is_contiguous())
 
 
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """One query per row over all of a dense cache's keys, by the paged kernel, or None where it cannot read them.
+
+    q (B, H, 1, D) fp32; k, v (B, Hkv, S, D), views into a preallocated cache as `ContiguousKVCache` returns
+    them: each row is one block of stride(1) // D slots, read in place. Returns (B, H, 1, D), what
+    scaled_dot_product_attention gives without a mask.
+    """
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    if not (_paged_kernel is not None and k.device.type == "cpu" and k.dtype in _KERNEL_DTYPES
+            and q.dtype == torch.float32 and v.dtype == k.dtype and k.stride() == v.stride() and k.stride(3) == 1
+            and k.stride(2) == dim and k.stride(1) % dim == 0 and heads % kv_heads == 0
+            and (batch == 1 or k.stride(0) == kv_heads * k.stride(1))):
+        return None
+    q32 = q.reshape(batch, heads, dim).contiguous()
+    out = torch.empty_like(q32)
+    tables = torch.arange(batch)
+    lengths = torch.full((batch,), k.shape[2])
+    _paged_kernel.decode(q32.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(), _KERNEL_DTYPES[k.dtype],
+                         tables.data_ptr(), lengths.data_ptr(), batch, heads, kv_heads, dim, k.stride(1) // dim, 1,
+                         float(scaling), 0)
+    return out.view(batch, heads, 1, dim)
+
+
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
     """One new query per sequence, a batch of sequences at once, read in place from native pool storage.

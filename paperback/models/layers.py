@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset and x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the same arithmetic in one op
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -60,7 +62,8 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos / sin tables for given positions, in the activations' dtype."""
+    """cos / sin tables for given positions, in the activations' dtype; the sin table's first half is
+    negated, as `apply_rope` takes it."""
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
@@ -73,15 +76,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, D) by position; the half-split layout of Hugging Face."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, D) by position; the half-split layout of Hugging Face.
+
+    x * cos + (-x2, x1) * sin, with the sign folded into the table (`RotaryEmbedding` returns sin with its
+    first half negated): a roll instead of slicing, negating and concatenating, which a decode step pays
+    twice per layer. Not a fused multiply-add: that rounds once where Hugging Face rounds twice, and the
+    fp32 model must match it bit for bit."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,12 @@ class ExactCopy:
     keys: torch.Tensor
     values: torch.Tensor
     stored_until: torch.Tensor  # (T,) per query
+
+
+def _dense_decode(q, k, v, scaling):
+    from paperback.engine.paged_attention import dense_decode_attention  # here: the engine imports the models
+
+    return dense_decode_attention(q, k, v, scaling)
 
 
 def attend(
@@ -132,7 +144,8 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     if exact is None:
         if num_new == 1 and (window is None or num_keys <= window + head):
-            return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
+            out = _dense_decode(q, k, v, scaling)  # the C decode kernel, in place; SDPA where it cannot read k
+            return out if out is not None else F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
         if first_key == 0 and start_pos == 0 and (window is None or num_new <= window):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     q_pos = torch.arange(start_pos, start_pos + num_new, device=q.device)[:, None]

@@ -96,8 +96,29 @@ static void unpack_row_portable(const uint8_t *row, int bits, int64_t count, uin
     unpack_generic(row, bits, i, count - i, dst + i);
 }
 
-static void scales_and_zeros(const QMatrix *m, int64_t r, float *scale, float *zero, uint8_t *zero_codes) {
+static void row_scales_portable(const QMatrix *m, int64_t r, float *scale) {
     for (int64_t g = 0; g < m->groups; g++) scale[g] = half_to_float(m->scales[r * m->groups + g]);
+}
+
+#ifdef PB_X86
+/* F16C: eight scales an instruction (a row of a narrow matrix has few groups, and this runs once per row) */
+__attribute__((target("avx2,f16c"))) static void row_scales_f16c(const QMatrix *m, int64_t r, float *scale) {
+    const uint16_t *h = m->scales + r * m->groups;
+    int64_t g = 0;
+    for (; g + 8 <= m->groups; g += 8) _mm256_storeu_ps(scale + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+    for (; g < m->groups; g++) scale[g] = _cvtsh_ss(h[g]);
+}
+#endif
+
+static int simd_level; /* defined with the levels below; 0 is portable */
+
+static void scales_and_zeros(const QMatrix *m, int64_t r, float *scale, float *zero, uint8_t *zero_codes) {
+#ifdef PB_X86
+    if (simd_level > 0) /* every SIMD level includes F16C */
+        row_scales_f16c(m, r, scale);
+    else
+#endif
+        row_scales_portable(m, r, scale);
     if (m->qzeros) {
         unpack_row_portable(m->qzeros + r * m->zero_row_bytes, m->bits, m->groups, zero_codes);
         for (int64_t g = 0; g < m->groups; g++) zero[g] = (float)zero_codes[g];
@@ -414,6 +435,7 @@ typedef struct {
     int8_t *q;   /* (rows, k): rounded activations, nibble order for 4-bit */
     float *d;    /* (rows, k / 32): block scales */
     float *gsum; /* (rows, groups): sum over the group of d * q */
+    float *dpair; /* (rows, ceil(blocks / 2), 16): blocks 2p and 2p + 1's d, each in 8 lanes (VNNI only) */
 } Int8Acts;
 
 static int int8_eligible(const QMatrix *m) { return m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0; }
@@ -442,6 +464,17 @@ static void quantize_activations(const QMatrix *m, const float *x, int64_t rows,
             a->gsum[r * m->groups + b / per_group] += d * (float)isum;
         }
     }
+}
+
+/* a->dpair from a->d: the VNNI kernel weights a pair of blocks' 16 int32 lanes with one vector. */
+static void pair_scales(const QMatrix *m, int64_t rows, Int8Acts *a) {
+    const int64_t blocks = m->k / QBLOCK, pairs = ceil_div(blocks, 2);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int i = 0; i < 16; i++) {
+                const int64_t b = 2 * p + i / 8;
+                a->dpair[(r * pairs + p) * 16 + i] = b < blocks ? a->d[r * blocks + b] : 0.0f;
+            }
 }
 
 static float zero_term(const QMatrix *m, float zero) { return m->bits == 8 ? zero - 128.0f : zero; }
@@ -553,6 +586,97 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
 }
 #endif
 
+/* ---- decoding one token: four weight rows at a time ------------------------
+ *
+ * With one activation row, a weight row's work is small (K = 576: nine pairs
+ * of blocks), so what surrounds it (unpacking scales and zero points into
+ * scratch, one reduction chain) cost as much as the products. The quad
+ * kernels take four weight rows together: the activations (and their block
+ * scales) are loaded once for the four, four independent chains hide the
+ * latencies, and each row's scales and zero points are read where they lie
+ * (F16C; nibbles). For 4- and 8-bit codes, read packed, with k and the group
+ * size multiples of 32; 4-bit activations come in nibble order (below). */
+#define QUAD 4
+
+static int quad_eligible(const QMatrix *m, int64_t rows) {
+    return rows == 1 && (m->bits == 4 || m->bits == 8) && m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0;
+}
+
+static float zero_point(const QMatrix *m, int64_t r, int64_t g) {
+    if (!m->qzeros) return (float)(1 << (m->bits - 1));
+    const uint8_t *z = m->qzeros + r * m->zero_row_bytes;
+    return m->bits == 8 ? (float)z[g] : (float)((z[g >> 1] >> ((g & 1) * 4)) & 15);
+}
+
+/* x in the order a 4-bit block's packed bytes give its codes: evens (low nibbles), then odds. */
+static void nibble_order(const float *x, int64_t k, float *out) {
+    for (int64_t b = 0; b < k; b += QBLOCK)
+        for (int i = 0; i < QBLOCK; i++) out[b + (i & 1) * (QBLOCK / 2) + (i >> 1)] = x[b + i];
+}
+
+#ifdef PB_X86
+/* sum_g s_g z_g sums_g for row r: the zero points' term, sixteen groups a step (at g32 a row has 18). */
+AVX512 static float zero_term_avx512(const QMatrix *m, int64_t r, const float *sums) {
+    const uint16_t *h = m->scales + r * m->groups;
+    const uint8_t *z = m->qzeros ? m->qzeros + r * m->zero_row_bytes : NULL;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= m->groups; g += 16) {
+        __m512 zero;
+        if (!z) {
+            zero = _mm512_set1_ps((float)(1 << (m->bits - 1)));
+        } else {
+            __m128i codes = m->bits == 4 ? _mm_loadl_epi64((const __m128i *)(z + g / 2))
+                                         : _mm_loadu_si128((const __m128i *)(z + g));
+            if (m->bits == 4) { /* eight bytes, low nibble first: interleave back to group order */
+                const __m128i low4 = _mm_set1_epi8(0x0f);
+                codes = _mm_unpacklo_epi8(_mm_and_si128(codes, low4), _mm_and_si128(_mm_srli_epi16(codes, 4), low4));
+            }
+            zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+        }
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g)));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(scale, zero), _mm512_loadu_ps(sums + g), acc);
+    }
+    float total = _mm512_reduce_add_ps(acc);
+    for (; g < m->groups; g++) total += _cvtsh_ss(h[g]) * zero_point(m, r, g) * sums[g];
+    return total;
+}
+
+/* Four rows' y from float activations: 16 codes become floats and meet x in one multiply-add; per group
+ * the scale is applied once and the zero point through the group sum of x (xsum). */
+AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *x, const float *xsum, float *y) {
+    const int64_t blocks_per_group = m->group_size / QBLOCK, blocks = m->k / QBLOCK;
+    const uint8_t *rows[QUAD];
+    __m512 total[QUAD];
+    for (int i = 0; i < QUAD; i++) rows[i] = m->qweight + (r0 + i) * m->row_bytes, total[i] = _mm512_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < m->groups; g++) {
+        const int64_t b1 = (g + 1) * blocks_per_group < blocks ? (g + 1) * blocks_per_group : blocks;
+        __m512 acc[QUAD];
+        for (int i = 0; i < QUAD; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = g * blocks_per_group; b < b1; b++) {
+            const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
+            for (int i = 0; i < QUAD; i++) {
+                __m128i c0, c1;
+                if (m->bits == 4) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + b * (QBLOCK / 2)));
+                    c0 = _mm_and_si128(v, low4), c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+                } else {
+                    c0 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK));
+                    c1 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK + 16));
+                }
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), x0, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), x1, acc[i]);
+            }
+        }
+        for (int i = 0; i < QUAD; i++)
+            total[i] = _mm512_fmadd_ps(acc[i], _mm512_set1_ps(_cvtsh_ss(m->scales[(r0 + i) * m->groups + g])), total[i]);
+    }
+    for (int i = 0; i < QUAD; i++)
+        y[r0 + i] = _mm512_reduce_add_ps(total[i]) - zero_term_avx512(m, r0 + i, xsum) + (m->bias ? m->bias[r0 + i] : 0.0f);
+}
+#endif
+
 #ifdef PB_X86
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
@@ -583,46 +707,123 @@ VNNI static inline __m512i last_codes(const QMatrix *m, const uint8_t *packed, c
     return _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + b * QBLOCK)));
 }
 
-/* row_dot_int8_avx2 with vpdpbusd: two blocks per instruction, each block's 8 int32 lanes weighted by its
- * own s_g d_b (the two may fall in different groups at g32). */
+/* row_dot_int8_avx2 with vpdpbusd: two blocks per instruction. The pair's activation scales come
+ * pre-broadcast (a->dpair: d_b in lanes 0-7, d_b+1 in lanes 8-15), so a pair costs one dot, one convert
+ * and one multiply-add. When a group holds whole pairs (group size a multiple of 64), a group's pairs
+ * are summed first and its scale applied once; otherwise (g32, or odd block counts) each half of a pair
+ * takes its own group's scale. */
+VNNI static inline __m512i pair_acts(const Int8Acts *a, const QMatrix *m, int64_t r, int64_t b, int whole) {
+    const int8_t *q = a->q + r * m->k + b * QBLOCK;
+    return whole ? _mm512_loadu_si512((const void *)q) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, q);
+}
+
 VNNI static inline __attribute__((always_inline)) void row_dot_int8_vnni(const QMatrix *m, const uint8_t *packed,
                                                                          const uint8_t *codes, const float *scale,
                                                                          const float *zero, const Int8Acts *a,
                                                                          int64_t first, int mb, float *sz,
                                                                          float *out) {
-    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
-    __m512 total[8], total2 = _mm512_setzero_ps();
+    const int64_t blocks = m->k / QBLOCK, pairs = (blocks + 1) / 2, per_group = m->group_size / QBLOCK;
+    __m512 total[8];
     for (int j = 0; j < mb; j++) total[j] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        const __m512i c = pair_codes(m, packed, codes, b);
-        const float s0 = scale[b / per_group], s1 = scale[(b + 1) / per_group];
-        for (int j = 0; j < mb; j++) {
-            const int64_t r = first + j;
-            const float *d = a->d + r * blocks + b;
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c,
-                                                  _mm512_loadu_si512((const void *)(a->q + r * m->k + b * QBLOCK)));
-            const __m512 w = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0 * d[0]), _mm512_set1_ps(s1 * d[1]));
-            if (mb == 1 && (b & 2)) /* a second chain over alternate pairs hides the FMA latency */
-                total2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), w, total2);
-            else
-                total[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), w, total[j]);
+    if (per_group % 2 == 0) {
+        const int64_t group_pairs = per_group / 2;
+        for (int64_t g = 0; g < m->groups; g++) {
+            const int64_t p1 = (g + 1) * group_pairs < pairs ? (g + 1) * group_pairs : pairs;
+            __m512 acc[8], acc2 = _mm512_setzero_ps();
+            for (int j = 0; j < mb; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t p = g * group_pairs; p < p1; p++) {
+                const int whole = 2 * p + 1 < blocks;
+                const __m512i c = whole ? pair_codes(m, packed, codes, 2 * p) : last_codes(m, packed, codes, 2 * p);
+                for (int j = 0; j < mb; j++) {
+                    const int64_t r = first + j;
+                    const __m512 prod = _mm512_cvtepi32_ps(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, pair_acts(a, m, r, 2 * p, whole)));
+                    const __m512 d = _mm512_loadu_ps(a->dpair + (r * pairs + p) * 16);
+                    if (mb == 1 && (p & 1)) /* a second chain over alternate pairs hides the FMA latency */
+                        acc2 = _mm512_fmadd_ps(prod, d, acc2);
+                    else
+                        acc[j] = _mm512_fmadd_ps(prod, d, acc[j]);
+                }
+            }
+            acc[0] = _mm512_add_ps(acc[0], acc2);
+            const __m512 s = _mm512_set1_ps(scale[g]);
+            for (int j = 0; j < mb; j++) total[j] = _mm512_fmadd_ps(acc[j], s, total[j]);
+        }
+    } else {
+        int64_t g0 = 0, left = per_group; /* the group of block 2p, and its blocks from 2p on: no division */
+        for (int64_t p = 0; p < pairs; p++) {
+            const int whole = 2 * p + 1 < blocks;
+            const int64_t g1 = left > 1 ? g0 : g0 + 1; /* the group of block 2p + 1 */
+            const __m512i c = whole ? pair_codes(m, packed, codes, 2 * p) : last_codes(m, packed, codes, 2 * p);
+            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale[g0]),
+                                                  _mm512_set1_ps(whole ? scale[g1] : 0.0f));
+            for (int j = 0; j < mb; j++) {
+                const int64_t r = first + j;
+                const __m512 prod = _mm512_cvtepi32_ps(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, pair_acts(a, m, r, 2 * p, whole)));
+                total[j] = _mm512_fmadd_ps(prod, _mm512_mul_ps(s, _mm512_loadu_ps(a->dpair + (r * pairs + p) * 16)),
+                                           total[j]);
+            }
+            left -= 2;
+            while (left <= 0) left += per_group, g0++;
         }
     }
-    if (b < blocks) {
-        const __m512i c = last_codes(m, packed, codes, b);
-        const float s0 = scale[b / per_group];
-        for (int j = 0; j < mb; j++) {
-            const int64_t r = first + j;
-            const __m512i q = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, a->q + r * m->k + b * QBLOCK);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, q);
-            total[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s0 * a->d[r * blocks + b]), total[j]);
-        }
-    }
-    total[0] = _mm512_add_ps(total[0], total2);
     for (int64_t g = 0; g < m->groups; g++) sz[g] = scale[g] * zero[g];
     for (int j = 0; j < mb; j++)
         out[j] = _mm512_reduce_add_ps(total[j]) - dot_avx2(sz, a->gsum + (first + j) * m->groups, m->groups);
+}
+
+/* quad_float_avx512 with vpdpbusd on int8 activations, two blocks per instruction. When a group holds
+ * whole pairs of blocks its pairs are summed first and its scale applied once; at g32 (Q4_1's layout)
+ * each pair's two scales are converted together and spread over its two halves. */
+VNNI static void quad_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a, float *y) {
+    const int64_t blocks = m->k / QBLOCK, pairs = (blocks + 1) / 2, per_group = m->group_size / QBLOCK;
+    const uint8_t *rows[QUAD];
+    const uint16_t *scales[QUAD];
+    __m512 total[QUAD];
+    for (int i = 0; i < QUAD; i++) {
+        rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
+        total[i] = _mm512_setzero_ps();
+    }
+    if (per_group == 1) {
+        const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int64_t p = 0; p < pairs; p++) {
+            const int whole = 2 * p + 1 < blocks;
+            const __m512i q = pair_acts(a, m, 0, 2 * p, whole);
+            const __m512 d = _mm512_loadu_ps(a->dpair + p * 16);
+            for (int i = 0; i < QUAD; i++) {
+                const __m512i c = whole ? pair_codes(m, rows[i], rows[i], 2 * p) : last_codes(m, rows[i], rows[i], 2 * p);
+                /* the pair's two fp16 scales (a lone last block has one; its d is 0 beyond) */
+                const uint32_t two = scales[i][2 * p] | (whole ? (uint32_t)scales[i][2 * p + 1] << 16 : 0u);
+                const __m512 sd = _mm512_mul_ps(
+                    _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)))), d);
+                total[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, q)), sd,
+                                           total[i]);
+            }
+        }
+    } else {
+        const int64_t group_pairs = per_group / 2;
+        for (int64_t g = 0; g < m->groups; g++) {
+            const int64_t p1 = (g + 1) * group_pairs < pairs ? (g + 1) * group_pairs : pairs;
+            __m512 acc[QUAD];
+            for (int i = 0; i < QUAD; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t p = g * group_pairs; p < p1; p++) {
+                const int whole = 2 * p + 1 < blocks;
+                const __m512i q = pair_acts(a, m, 0, 2 * p, whole);
+                const __m512 d = _mm512_loadu_ps(a->dpair + p * 16);
+                for (int i = 0; i < QUAD; i++) {
+                    const __m512i c = whole ? pair_codes(m, rows[i], rows[i], 2 * p) : last_codes(m, rows[i], rows[i], 2 * p);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, q)), d,
+                                             acc[i]);
+                }
+            }
+            for (int i = 0; i < QUAD; i++)
+                total[i] = _mm512_fmadd_ps(acc[i], _mm512_set1_ps(_cvtsh_ss(scales[i][g])), total[i]);
+        }
+    }
+    for (int i = 0; i < QUAD; i++)
+        y[r0 + i] = _mm512_reduce_add_ps(total[i]) - zero_term_avx512(m, r0 + i, a->gsum) +
+                    (m->bias ? m->bias[r0 + i] : 0.0f);
 }
 
 VNNI static void row_times_int8_vnni(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
@@ -693,23 +894,33 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
                      int int8_acts) {
     const QMatrix *m0 = &ms[0];
     int failed = 0;
-    int64_t first_row[MAX_MATRICES + 1] = {0};
-    for (int i = 0; i < count; i++) first_row[i + 1] = first_row[i] + ms[i].n;
+    int64_t first_tile[MAX_MATRICES + 1] = {0}; /* tiles of QUAD output rows, none across two matrices */
+    for (int i = 0; i < count; i++) first_tile[i + 1] = first_tile[i] + ceil_div(ms[i].n, QUAD);
     const int use_int8 = int8_acts && int8_eligible(m0);
-    Int8Acts a = {NULL, NULL, NULL};
-    float *xsum = NULL;
+    Int8Acts a = {NULL, NULL, NULL, NULL};
+    float *xsum = NULL, *xq = NULL; /* xq: x in nibble order, for the 4-bit quad kernel */
     if (use_int8) {
         a.q = malloc((size_t)(rows * m0->k));
         a.d = malloc(sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
         a.gsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
-        if (!a.q || !a.d || !a.gsum) {
-            free(a.q), free(a.d), free(a.gsum);
+        if (simd_level >= LEVEL_VNNI) a.dpair = malloc(sizeof(float) * 16 * (size_t)(rows * ceil_div(m0->k / QBLOCK, 2)));
+        if (!a.q || !a.d || !a.gsum || (simd_level >= LEVEL_VNNI && !a.dpair)) {
+            free(a.q), free(a.d), free(a.gsum), free(a.dpair);
             return -1;
         }
         quantize_activations(m0, x, rows, &a);
+        if (a.dpair) pair_scales(m0, rows, &a);
     } else { /* group sums of x, for applying zero points once per group */
         xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
         if (!xsum) return -1;
+        if (quad_eligible(m0, rows) && m0->bits == 4) {
+            xq = malloc(sizeof(float) * (size_t)m0->k);
+            if (!xq) {
+                free(xsum);
+                return -1;
+            }
+            nibble_order(x, m0->k, xq);
+        }
         for (int64_t i = 0; i < rows; i++)
             for (int64_t g = 0; g < m0->groups; g++) {
                 int64_t lo = g * m0->group_size, hi = lo + m0->group_size < m0->k ? lo + m0->group_size : m0->k;
@@ -725,18 +936,33 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
         failed = !ok;
         /* every thread must reach the work-sharing loop, even one without scratch */
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < first_row[count]; row++) {
+        for (int64_t tile = 0; tile < first_tile[count]; tile++) {
             if (!ok) continue;
             int which = 0;
-            while (row >= first_row[which + 1]) which++;
-            const int64_t r = row - first_row[which];
-            if (use_int8)
-                int8_row(&ms[which], r, &a, rows, &s, ys[which]);
-            else
-                float_row(&ms[which], r, x, xsum, rows, &s, ys[which]);
+            while (tile >= first_tile[which + 1]) which++;
+            const QMatrix *m = &ms[which];
+            const int64_t r0 = (tile - first_tile[which]) * QUAD, r1 = r0 + QUAD < m->n ? r0 + QUAD : m->n;
+#ifdef PB_X86
+            if (r1 - r0 == QUAD && quad_eligible(m, rows)) {
+                if (use_int8 && simd_level >= LEVEL_VNNI && (m->group_size == QBLOCK || (m->group_size / QBLOCK) % 2 == 0)) {
+                    quad_int8_vnni(m, r0, &a, ys[which]);
+                    continue;
+                }
+                if (!use_int8 && simd_level >= LEVEL_AVX512) {
+                    quad_float_avx512(m, r0, m->bits == 4 ? xq : x, xsum, ys[which]);
+                    continue;
+                }
+            }
+#endif
+            for (int64_t r = r0; r < r1; r++) {
+                if (use_int8)
+                    int8_row(m, r, &a, rows, &s, ys[which]);
+                else
+                    float_row(m, r, x, xsum, rows, &s, ys[which]);
+            }
         }
     }
-    free(a.q), free(a.d), free(a.gsum), free(xsum);
+    free(a.q), free(a.d), free(a.gsum), free(a.dpair), free(xsum), free(xq);
     return failed ? -1 : 0;
 }
 

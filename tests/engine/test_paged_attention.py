@@ -161,3 +161,39 @@ def test_matches_dense_attention_on_cuda(seq_len, num_new, window):
                           blocks_per_step=3)
     ref = attend(q[None], k[None], v[None], seq_len - num_new, 0.25, window)[0]
     assert out.device.type == "cuda" and torch.allclose(out.cpu(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [0.01, 3.0, 40.0])
+def test_decode_kernel_softmax_holds_from_flat_to_one_hot_scores(scaling):
+    """The kernel's vectorised exp: nearly equal scores, and scores so far apart that all but one underflow."""
+    from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
+
+    torch.manual_seed(1)
+    keys, values = torch.randn(8, 2, 16, 64), torch.randn(8, 2, 16, 64)
+    if not decode_kernel_available(keys):
+        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+    q = torch.randn(1, 6, 64)
+    got = paged_decode_attention(q, keys, values, torch.arange(8)[None], torch.tensor([121]), scaling)
+    k = keys.transpose(0, 1).reshape(2, 128, 64)[:, :121].double()  # (Hkv, S, D), in fp64 as the reference
+    v = values.transpose(0, 1).reshape(2, 128, 64)[:, :121].double()
+    want = torch.softmax(q[0].double().view(2, 3, 64) @ k.transpose(1, 2) * scaling, -1) @ v
+    assert torch.allclose(got[0].double(), want.view(6, 64), atol=1e-5)  # what fp32 SDPA also misses by
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dense_cache_decode_reads_the_cache_in_place(dtype):
+    """A decode query over a preallocated dense cache's views (what ContiguousKVCache returns) takes the C
+    kernel, one block per row, and gives what SDPA gives; a layout it cannot read is left to SDPA."""
+    from paperback.engine.paged_attention import dense_decode_attention
+
+    torch.manual_seed(0)
+    cache_k, cache_v = torch.randn(2, 3, 300, 64).to(dtype), torch.randn(2, 3, 300, 64).to(dtype)
+    cache_k[:, :, 130:] = cache_v[:, :, 130:] = float("nan")  # not yet written: never read
+    q = torch.randn(2, 9, 1, 64)
+    k, v = cache_k[:, :, :130], cache_v[:, :, :130]
+    got = dense_decode_attention(q, k, v, 0.125)
+    if got is None:
+        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.float(), v.float(), scale=0.125, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert dense_decode_attention(q, k.transpose(2, 3), v.transpose(2, 3), 0.125) is None
