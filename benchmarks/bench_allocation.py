@@ -8,8 +8,9 @@ the output head. At that budget, llama.cpp's mix (paperback.allocate.baselines)
 and paperback's allocation (the exact solve over the model's profile, weight
 units only; "paperback" reads the default anchored profile, "paperback-all"
 one with every cell measured; each then the second pass: the best solutions
-by the head's scheme measured whole on the profiled part of pydoc, the least
-KL kept) are built to the same bytes (within 1%, checked), each is
+by the head's scheme and the even-bits one, each quantized as it would ship
+and measured whole on the profiled part of pydoc, the least KL kept and
+scored as it is) are built to the same bytes (within 1%, checked), each is
 quantized from a fresh copy of the model with the same method and
 calibration (pydoc, never the evaluation text; the profile read the first
 half of pydoc too; AWQ with the profile's lighter searches unless
