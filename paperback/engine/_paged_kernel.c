@@ -9,12 +9,20 @@
  * Layout (see paged_cache.py):
  *   q       fp32 (B, H, D) contiguous, unscaled (the kernel applies `scaling`)
  *   out     fp32 (B, H, D)
- *   keys, values  (num_blocks, Hkv, block_size, D) in fp32, fp16 or bf16; a dense cache
- *                 (B, Hkv, max_len, D) is this with one block of max_len slots per sequence
+ *   keys, values  each a source (`kv_source`): (num_blocks, Hkv, block_size, D) rows in fp32, fp16
+ *                 or bf16 (a dense cache (B, Hkv, max_len, D) is this with one block of max_len slots
+ *                 per sequence), or a quantized format's fields per block, decoded a chunk at a time
+ *                 where they lie: FP8 codes (e4m3 / e5m2) times a scale per layer or KV head; integer
+ *                 codes packed LSB first (paperback.quantization.packing) with fp16 scale and minimum
+ *                 per token and group of channels (INT8 / INT4, KIVI's values) or per channel and group
+ *                 of tokens (KIVI's keys), x = code * scale + minimum (paperback.kv.codecs)
  *   tables  int64 (B, width): block ids of each sequence, logical order
+ *   stage_tables  int64 (B, width) or none: a staging slot where the sequence's block is held exact
+ *                 (16-bit, the quantized formats' sinks and recent window), -1 where it is read from
+ *                 the source
  *   lengths int64 (B): tokens in each sequence, the new one included
  * Query head h reads KV head h / (H / Hkv). With window > 0 a query at
- * position p sees keys in (p - window, p].
+ * position p sees keys in (p - window, p] and the first `sink` keys.
  *
  * Each (sequence, KV head) pair is one task (OpenMP threads take them): it
  * walks the blocks once, keeps a running maximum, sum and output for each
@@ -42,6 +50,16 @@ enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
 
 typedef uint32_t __attribute__((may_alias)) alias_u32;
 
+#if defined(__x86_64__) && defined(__GNUC__)
+static int has_avx512;
+
+/* n fp16 values (n % 16 == 0) to fp32 by vcvtph2ps, exact (AVX-512F has it). */
+__attribute__((target("avx512f"))) static void fp16_rows_avx512(const uint16_t *src, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+}
+#endif
+
 /* Rows [row, row + count) of a pool as fp32: the pool itself for fp32, else converted into buf. Inlined into
  * each of attend_one's clones, so the conversion loops vectorize at the clone's width. */
 static inline __attribute__((always_inline)) const float *load_rows(const void *pool, int dtype, int64_t row,
@@ -54,6 +72,12 @@ static inline __attribute__((always_inline)) const float *load_rows(const void *
         for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
         return buf;
     }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512 && n % 16 == 0) {
+        fp16_rows_avx512(src, n, buf);
+        return buf;
+    }
+#endif
     /* fp16: exponent and mantissa moved into fp32's fields, then rescaled by 2^112 (exact, subnormals too);
      * infinities and NaNs set apart, the sign put back. */
     for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)(src[i] & 0x7fff) << 13;
@@ -62,6 +86,195 @@ static inline __attribute__((always_inline)) const float *load_rows(const void *
         uint32_t magnitude = src[i] & 0x7fff, b = bits[i];
         if (magnitude >= 0x7c00) b = 0x7f800000u | ((magnitude & 0x3ff) << 13);
         bits[i] = b | ((uint32_t)(src[i] & 0x8000) << 16);
+    }
+    return buf;
+}
+
+enum { SRC_NATIVE = 0, SRC_FP8 = 1, SRC_TOKEN_INT = 2, SRC_CHANNEL_INT = 3 };
+
+/* Where one of keys or values lives and how it is stored. */
+typedef struct {
+    int kind;                    /* SRC_* */
+    int dtype;                   /* native: DT_*; FP8: 0 e4m3, 1 e5m2 */
+    int bits;                    /* integer codes: bits per code */
+    int64_t group;               /* SRC_TOKEN_INT: channels per scale; SRC_CHANNEL_INT: tokens per scale */
+    const void *data;            /* native rows, FP8 codes or packed integer codes */
+    const uint16_t *scale, *min; /* integer codes: fp16 */
+    const float *fp8_scale;      /* FP8: one per layer, or one per KV head */
+    int per_head;
+} kv_source;
+
+static float fp8_table[2][256]; /* every FP8 byte's value, e4m3 and e5m2, filled at load time */
+
+static float half_to_float(uint16_t h) {
+    uint32_t magnitude = h & 0x7fff, bits = magnitude << 13;
+    float f;
+    memcpy(&f, &bits, 4);
+    f *= 0x1p112f; /* exact, subnormals too */
+    if (magnitude >= 0x7c00) {
+        bits = 0x7f800000u | ((magnitude & 0x3ff) << 13);
+        memcpy(&f, &bits, 4);
+    }
+    return h & 0x8000 ? -f : f;
+}
+
+static void fill_fp8_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7; /* e4m3fn: bias 7, no infinities, S.1111.111 is NaN */
+        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_table[0][b] = b & 0x80 ? -v : v;
+        fp8_table[1][b] = half_to_float((uint16_t)(b << 8)); /* e5m2 is fp16's upper byte */
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* Rows [row, row + count) of 2-, 4- or 8-bit integer codes decoded to x = code * scale + minimum, sixteen
+ * channels at a time: the codes' bytes widened to 32-bit lanes, each lane given its code's byte (permute),
+ * shifted to the code and masked; scales and minimums converted from fp16 by the hardware. `group_row` is the
+ * index of row's first scale row: per token (SRC_TOKEN_INT, dim / group scales a row, group % 16 == 0) or per
+ * channel (SRC_CHANNEL_INT, dim scales per group of tokens, `slot` the first row's token in its block).
+ * dim % 16 == 0. */
+__attribute__((target("avx512f,f16c"))) static void int_rows_avx512(const kv_source *src, int64_t row,
+                                                                    int64_t head_block, int64_t block_size,
+                                                                    int64_t slot, int64_t count, int64_t dim,
+                                                                    float *out) {
+    const int bits = src->bits;
+    const int log_per_byte = bits == 8 ? 0 : bits == 4 ? 1 : 2, log_bits = bits == 8 ? 3 : bits == 4 ? 2 : 1;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i byte_of = _mm512_srli_epi32(lane, log_per_byte);
+    const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32((1 << log_per_byte) - 1)),
+                                            log_bits);
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    const int64_t row_bytes = dim * bits / 8;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *packed = (const uint8_t *)src->data + (row + r) * row_bytes;
+        const uint16_t *scale, *min;
+        if (src->kind == SRC_TOKEN_INT) {
+            scale = src->scale + (row + r) * (dim / src->group);
+            min = src->min + (row + r) * (dim / src->group);
+        } else {
+            const int64_t at = (head_block * (block_size / src->group) + (slot + r) / src->group) * dim;
+            scale = src->scale + at;
+            min = src->min + at;
+        }
+        for (int64_t d = 0; d < dim; d += 16) {
+            /* exactly the 16 codes' bytes, never past the row's end */
+            const uint8_t *at = packed + d * bits / 8;
+            const __m128i raw = bits == 8 ? _mm_loadu_si128((const __m128i *)at)
+                                : bits == 4 ? _mm_loadl_epi64((const __m128i *)at)
+                                            : _mm_cvtsi32_si128(*(const alias_u32 *)at);
+            const __m512i wide = _mm512_cvtepu8_epi32(raw);
+            const __m512 codes = _mm512_cvtepi32_ps(
+                _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(byte_of, wide), shift), mask));
+            __m512 s, m;
+            if (src->kind == SRC_TOKEN_INT) {
+                s = _mm512_set1_ps(_cvtsh_ss(scale[d / src->group]));
+                m = _mm512_set1_ps(_cvtsh_ss(min[d / src->group]));
+            } else {
+                s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + d)));
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(min + d)));
+            }
+            _mm512_storeu_ps(out + r * dim + d, _mm512_fmadd_ps(codes, s, m));
+        }
+    }
+}
+
+/* n FP8 bytes (n % 16 == 0) times scale: the byte's exponent and mantissa moved into fp32's fields and rescaled
+ * (exact, subnormals too), the sign put back. Encoding saturates, so the NaN byte (e4m3's S.1111.111, e5m2's
+ * infinities and NaNs) never occurs in a cache; the scalar table handles them. */
+__attribute__((target("avx512f"))) static void fp8_rows_avx512(const uint8_t *codes, int e5m2, int64_t n, float scale,
+                                                               float *out) {
+    const __m512 rescale = _mm512_set1_ps(scale * (e5m2 ? 0x1p112f : 0x1p120f));
+    const int shift = e5m2 ? 21 : 20;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+        const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), shift);
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+        const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), rescale);
+        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign)));
+    }
+}
+#endif
+
+/* codes of one packed row as floats: code j at bit offset bits * j, LSB first. */
+static inline __attribute__((always_inline)) void unpack_row(const uint8_t *packed, int bits, int64_t dim,
+                                                             float *out) {
+    if (bits == 8) {
+        for (int64_t d = 0; d < dim; d++) out[d] = packed[d];
+    } else if (bits == 4) {
+        for (int64_t d = 0; d < dim; d++) out[d] = (packed[d >> 1] >> ((d & 1) * 4)) & 15;
+    } else if (bits == 2) {
+        for (int64_t d = 0; d < dim; d++) out[d] = (packed[d >> 2] >> ((d & 3) * 2)) & 3;
+    } else {
+        const uint32_t mask = (1u << bits) - 1;
+        for (int64_t d = 0; d < dim; d++) {
+            int64_t bit = d * bits, byte = bit >> 3;
+            uint32_t word = packed[byte];
+            if ((bit & 7) + bits > 8) word |= (uint32_t)packed[byte + 1] << 8; /* the code runs on */
+            out[d] = (word >> (bit & 7)) & mask;
+        }
+    }
+}
+
+/* Slots [slot, slot + count) of a block's rows for one KV head, as fp32 (count, dim): in place for fp32 rows,
+ * else decoded into buf. */
+static inline __attribute__((always_inline)) const float *load_source(const kv_source *src, int64_t block,
+                                                                      int64_t kv_head, int64_t kv_heads,
+                                                                      int64_t block_size, int64_t slot,
+                                                                      int64_t count, int64_t dim, float *buf) {
+    const int64_t row = (block * kv_heads + kv_head) * block_size + slot;
+    if (src->kind == SRC_NATIVE) return load_rows(src->data, src->dtype, row, count, dim, buf);
+    if (src->kind == SRC_FP8) {
+        const uint8_t *codes = (const uint8_t *)src->data + row * dim;
+        const float *table = fp8_table[src->dtype];
+        const float scale = src->fp8_scale[src->per_head ? kv_head : 0];
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (has_avx512 && dim % 16 == 0) {
+            fp8_rows_avx512(codes, src->dtype, count * dim, scale, buf);
+            return buf;
+        }
+#endif
+        for (int64_t i = 0; i < count * dim; i++) buf[i] = table[codes[i]] * scale;
+        return buf;
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512 && dim % 16 == 0 && (src->bits == 2 || src->bits == 4 || src->bits == 8) &&
+        (src->kind == SRC_CHANNEL_INT || src->group % 16 == 0)) {
+        int_rows_avx512(src, row, block * kv_heads + kv_head, block_size, slot, count, dim, buf);
+        return buf;
+    }
+#endif
+    const int64_t row_bytes = (dim * src->bits + 7) / 8;
+    if (src->kind == SRC_TOKEN_INT) { /* one scale and minimum per token and group of channels */
+        const int64_t groups = dim / src->group;
+        for (int64_t r = 0; r < count; r++) {
+            float *x = buf + r * dim;
+            unpack_row((const uint8_t *)src->data + (row + r) * row_bytes, src->bits, dim, x);
+            const uint16_t *scale = src->scale + (row + r) * groups, *min = src->min + (row + r) * groups;
+            for (int64_t g = 0; g < groups; g++) {
+                const float s = half_to_float(scale[g]), m = half_to_float(min[g]);
+                for (int64_t d = g * src->group; d < (g + 1) * src->group; d++) x[d] = x[d] * s + m;
+            }
+        }
+        return buf;
+    }
+    /* one scale and minimum per channel and group of tokens, converted once per group */
+    float scale[dim], min[dim];
+    int64_t converted = -1;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t token_group = (slot + r) / src->group;
+        if (token_group != converted) {
+            const int64_t at = ((block * kv_heads + kv_head) * (block_size / src->group) + token_group) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                scale[d] = half_to_float(src->scale[at + d]);
+                min[d] = half_to_float(src->min[at + d]);
+            }
+            converted = token_group;
+        }
+        float *x = buf + r * dim;
+        unpack_row((const uint8_t *)src->data + (row + r) * row_bytes, src->bits, dim, x);
+        for (int64_t d = 0; d < dim; d++) x[d] = x[d] * scale[d] + min[d];
     }
     return buf;
 }
@@ -95,7 +308,6 @@ __attribute__((target("avx512f"))) static float exp_shifted_avx512(float *x, int
     }
     return _mm512_reduce_add_ps(total);
 }
-static int has_avx512;
 #endif
 
 static float exp_shifted(float *x, int64_t count, float shift) {
@@ -177,10 +389,16 @@ static int64_t scratch_size(int64_t group, int64_t dim, int64_t block_size) {
     return group * dim + 2 * group + chunk + 2 * chunk * dim;
 }
 
-WIDEST static void attend_one(const float *q, float *out, const void *keys, const void *values, int dtype,
-                              const int64_t *table, int64_t length, int64_t kv_head, int64_t kv_heads,
-                              int64_t group, int64_t dim, int64_t block_size, float scaling, int64_t window,
-                              float *scratch) {
+/* Exact (16-bit) blocks of quantized layers, by staging slot: (slots, Hkv, block_size, D). */
+typedef struct {
+    const void *keys, *values;
+    int dtype;
+} kv_stage;
+
+WIDEST static void attend_one(const float *q, float *out, const kv_source *keys, const kv_source *values,
+                              const kv_stage *stage, const int64_t *table, const int64_t *stage_table,
+                              int64_t length, int64_t kv_head, int64_t kv_heads, int64_t group, int64_t dim,
+                              int64_t block_size, float scaling, int64_t window, int64_t sink, float *scratch) {
     const int64_t chunk = block_size < CHUNK ? block_size : CHUNK;
     float *acc = scratch, *run_max = acc + group * dim, *run_sum = run_max + group, *score = run_sum + group,
           *kbuf = score + chunk, *vbuf = kbuf + chunk * dim;
@@ -189,25 +407,36 @@ WIDEST static void attend_one(const float *q, float *out, const void *keys, cons
         run_sum[g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * group * dim);
-    int64_t lo = window > 0 && length > window ? length - window : 0;
-    /* A block's visible slots a chunk at a time: their scores, one rescale, then their values. */
-    for (int64_t first = lo; first < length;) {
-        int64_t slot = first % block_size, count = block_size - slot;
-        if (count > chunk) count = chunk;
-        if (first + count > length) count = length - first;
-        int64_t row = (table[first / block_size] * kv_heads + kv_head) * block_size + slot;
-        const float *k = load_rows(keys, dtype, row, count, dim, kbuf);
-        const float *v = load_rows(values, dtype, row, count, dim, vbuf);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
-            float block_max = block_scores(qg, k, count, dim, scaling, score, run_max[g]);
-            float c = expf(run_max[g] - block_max), sum = run_sum[g] * c;
-            sum += exp_shifted(score, count, block_max);
-            weighted_rows(acc + g * dim, c, score, v, count, dim);
-            run_max[g] = block_max;
-            run_sum[g] = sum;
+    /* Visible keys: [0, sink) and [lo, length), the window's start lo; one span where the sinks reach it. */
+    const int64_t start = window > 0 && length > window ? length - window : 0, lo = sink >= start ? 0 : start;
+    const int64_t spans[2][2] = {{0, sink < lo ? sink : 0}, {lo, length}};
+    for (int span = 0; span < 2; span++) {
+        /* The visible slots of a block a chunk at a time: their scores, one rescale, then their values. */
+        for (int64_t first = spans[span][0]; first < spans[span][1];) {
+            const int64_t logical = first / block_size, slot = first % block_size;
+            int64_t count = block_size - slot;
+            if (count > chunk) count = chunk;
+            if (first + count > spans[span][1]) count = spans[span][1] - first;
+            const float *k, *v;
+            if (stage_table && stage_table[logical] >= 0) {
+                const int64_t row = (stage_table[logical] * kv_heads + kv_head) * block_size + slot;
+                k = load_rows(stage->keys, stage->dtype, row, count, dim, kbuf);
+                v = load_rows(stage->values, stage->dtype, row, count, dim, vbuf);
+            } else {
+                k = load_source(keys, table[logical], kv_head, kv_heads, block_size, slot, count, dim, kbuf);
+                v = load_source(values, table[logical], kv_head, kv_heads, block_size, slot, count, dim, vbuf);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * dim;
+                float block_max = block_scores(qg, k, count, dim, scaling, score, run_max[g]);
+                float c = expf(run_max[g] - block_max), sum = run_sum[g] * c;
+                sum += exp_shifted(score, count, block_max);
+                weighted_rows(acc + g * dim, c, score, v, count, dim);
+                run_max[g] = block_max;
+                run_sum[g] = sum;
+            }
+            first += count;
         }
-        first += count;
     }
     for (int64_t g = 0; g < group; g++) {
         float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;
@@ -215,22 +444,56 @@ WIDEST static void attend_one(const float *q, float *out, const void *keys, cons
     }
 }
 
+/* A source from its Python tuple (kind, dtype, bits, group, data, scale, min, fp8 scale, per head). */
+static int parse_source(PyObject *tuple, kv_source *src, int64_t dim, int64_t block_size) {
+    unsigned long long data, scale, min, fp8_scale;
+    long long group;
+    if (!PyArg_ParseTuple(tuple, "iiiLKKKKi", &src->kind, &src->dtype, &src->bits, &group, &data, &scale, &min,
+                          &fp8_scale, &src->per_head))
+        return -1;
+    src->group = group;
+    src->data = (const void *)(uintptr_t)data;
+    src->scale = (const uint16_t *)(uintptr_t)scale;
+    src->min = (const uint16_t *)(uintptr_t)min;
+    src->fp8_scale = (const float *)(uintptr_t)fp8_scale;
+    int ok = data != 0;
+    switch (src->kind) {
+    case SRC_NATIVE: ok = ok && src->dtype >= DT_FP32 && src->dtype <= DT_BF16; break;
+    case SRC_FP8: ok = ok && (src->dtype == 0 || src->dtype == 1) && fp8_scale; break;
+    case SRC_TOKEN_INT: ok = ok && src->bits >= 1 && src->bits <= 8 && group > 0 && dim % group == 0 && scale && min; break;
+    case SRC_CHANNEL_INT: ok = ok && src->bits >= 1 && src->bits <= 8 && group > 0 && block_size % group == 0 && scale && min; break;
+    default: ok = 0;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "paged decode: bad key or value source");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_decode(PyObject *self, PyObject *args) {
-    unsigned long long q_ptr, out_ptr, keys_ptr, values_ptr, tables_ptr, lengths_ptr;
-    long long batch, heads, kv_heads, dim, block_size, width, window;
-    int dtype;
+    unsigned long long q_ptr, out_ptr, tables_ptr, stage_tables_ptr, lengths_ptr, stage_keys, stage_values;
+    long long batch, heads, kv_heads, dim, block_size, width, window, sink;
+    int stage_dtype;
     float scaling;
-    if (!PyArg_ParseTuple(args, "KKKKiKKLLLLLLfL", &q_ptr, &out_ptr, &keys_ptr, &values_ptr, &dtype, &tables_ptr,
-                          &lengths_ptr, &batch, &heads, &kv_heads, &dim, &block_size, &width, &scaling, &window))
+    PyObject *key_tuple, *value_tuple;
+    if (!PyArg_ParseTuple(args, "KKOO(KKi)KKKLLLLLLfLL", &q_ptr, &out_ptr, &key_tuple, &value_tuple, &stage_keys,
+                          &stage_values, &stage_dtype, &tables_ptr, &stage_tables_ptr, &lengths_ptr, &batch, &heads,
+                          &kv_heads, &dim, &block_size, &width, &scaling, &window, &sink))
         return NULL;
-    if (dtype < DT_FP32 || dtype > DT_BF16 || kv_heads <= 0 || heads % kv_heads || dim <= 0 || block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "paged decode: bad dtype or shape");
+    if (kv_heads <= 0 || heads % kv_heads || dim <= 0 || block_size <= 0 || window < 0 || sink < 0 ||
+        (stage_tables_ptr && (!stage_keys || !stage_values || stage_dtype < DT_FP32 || stage_dtype > DT_BF16))) {
+        PyErr_SetString(PyExc_ValueError, "paged decode: bad shape or staging");
         return NULL;
     }
+    kv_source keys, values;
+    if (parse_source(key_tuple, &keys, dim, block_size) || parse_source(value_tuple, &values, dim, block_size))
+        return NULL;
+    const kv_stage stage = {(const void *)(uintptr_t)stage_keys, (const void *)(uintptr_t)stage_values, stage_dtype};
     const float *q = (const float *)(uintptr_t)q_ptr;
     float *out = (float *)(uintptr_t)out_ptr;
-    const void *keys = (const void *)(uintptr_t)keys_ptr, *values = (const void *)(uintptr_t)values_ptr;
-    const int64_t *tables = (const int64_t *)(uintptr_t)tables_ptr, *lengths = (const int64_t *)(uintptr_t)lengths_ptr;
+    const int64_t *tables = (const int64_t *)(uintptr_t)tables_ptr, *lengths = (const int64_t *)(uintptr_t)lengths_ptr,
+                  *stage_tables = (const int64_t *)(uintptr_t)stage_tables_ptr;
     int64_t group = heads / kv_heads, tasks = batch * kv_heads;
     int64_t scratch_floats = scratch_size(group, dim, block_size);
     int failed = 0;
@@ -245,9 +508,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 #pragma omp for schedule(dynamic)
             for (int64_t t = 0; t < tasks; t++) {
                 int64_t b = t / kv_heads, h = t % kv_heads;
-                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, keys, values,
-                           dtype, tables + b * width, lengths[b], h, kv_heads, group, dim, block_size, scaling,
-                           window, scratch);
+                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, &keys, &values,
+                           &stage, tables + b * width, stage_tables ? stage_tables + b * width : NULL, lengths[b],
+                           h, kv_heads, group, dim, block_size, scaling, window, sink, scratch);
             }
             free(scratch);
         }
@@ -259,7 +522,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", py_decode, METH_VARARGS,
-     "decode(q, out, keys, values, dtype, tables, lengths, B, H, Hkv, D, block_size, width, scaling, window)"},
+     "decode(q, out, key_source, value_source, (stage_keys, stage_values, stage_dtype), tables, stage_tables, "
+     "lengths, B, H, Hkv, D, block_size, width, scaling, window, sink); a source is (kind, dtype, bits, group, "
+     "data, scale, min, fp8_scale, per_head), pointers as integers (0: none)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -270,5 +535,6 @@ PyMODINIT_FUNC PyInit__paged_kernel(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     has_avx512 = __builtin_cpu_supports("avx512f"); /* decided once, before any threads */
 #endif
+    fill_fp8_tables();
     return PyModule_Create(&module);
 }

@@ -34,9 +34,10 @@ bytes and, per sequence, which staging slots hold its unencoded blocks.
 `StepBatch` packs the new tokens of several sequences into one row: linear
 layers run once over all of them, and attention writes each sequence's keys
 and values, then reads its blocks back through `paged_attention`, decoding
-quantized blocks a few at a time. In native layers on CPU, the sequences
-that add one token (decoding) are written and attended together by the C
-kernel (`paged_decode_attention`), which reads their blocks in place.
+quantized blocks a few at a time. On CPU, the sequences that add one token
+(decoding) are written and attended together by the C kernel
+(`paged_decode_attention`), which reads their blocks in place, native or
+encoded (every format but PN-Mix), and the staged ones from staging.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
-from paperback.engine.paged_attention import (ExactSplit, decode_kernel_available, paged_attention,
-                                              paged_decode_attention)
+from paperback.engine.paged_attention import (ExactSplit, ExactStaging, codec_source, decode_kernel_available,
+                                              native_source, paged_attention, paged_decode_attention)
 from paperback.engine.pool_layout import PoolLayout
 from paperback.errors import PaperbackError
 from paperback.kv.cache import staging_dtype
@@ -74,6 +75,9 @@ class _Layer:
             store = NATIVE[self.scheme.dtype]
             self.keys = torch.zeros((num_blocks, *shape), dtype=store, device=device)
             self.values = torch.zeros((num_blocks, *shape), dtype=store, device=device)
+            # What the C decode kernel reads in place (CPU, a dtype it knows), else None.
+            self.kernel_sources = ((native_source(self.keys), native_source(self.values))
+                                   if decode_kernel_available(self.keys) else None)
             return
         self.key_codec, self.value_codec = self.scheme.layer_codecs(idx, None if amax is None else {idx: amax})
         probe = torch.zeros((1, *shape), device=device)
@@ -83,6 +87,8 @@ class _Layer:
                              for n, t in self.value_codec.field_shapes(probe).items()}
         self.stage_keys = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
         self.stage_values = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
+        sources = (codec_source(self.key_codec, self.key_fields), codec_source(self.value_codec, self.value_fields))
+        self.kernel_sources = sources if None not in sources and decode_kernel_available(self.stage_keys) else None
         # PN-Mix ranks key channels on what a sequence shows before its first block is encoded: that many
         # positions, whatever the steps were.
         self.observe_until = (self.sink_blocks + 1) * block_size + self.scheme.residual
@@ -130,9 +136,8 @@ class PagedKVPool:
                     raise PaperbackError(f"layer {i}: its window of {group.window} tokens must exceed {scheme.label}'s "
                                          f"exact recent window of {scheme.residual}: tokens are encoded before they "
                                          "are freed")
-        # Native layers whose storage the C decode kernel reads (CPU, a dtype it knows; it has no sinks).
-        self.kernel_decodes = [layer.native and not layer.scheme.sink and decode_kernel_available(layer.keys)
-                               for layer in self.layers]
+        # Layers whose storage the C decode kernel reads in place (CPU; a dtype or codec it knows).
+        self.kernel_decodes = [layer.kernel_sources is not None for layer in self.layers]
         # Sink blocks some quantized layer reads from staging keep their slot for the sequence's life.
         self.stage_sink_blocks = max((layer.sink_blocks for layer in self.layers if not layer.native), default=0)
         quantized = [layer.scheme for layer in self.layers if not layer.native]
@@ -343,6 +348,8 @@ class StepBatch:
             self.decode_lengths = torch.tensor([seqs[i].seq_len for i in self.decoding])
             self.decode_slots = (self.decode_lengths - 1) % pool.block_size
         self._decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stage_tables: dict[tuple, torch.Tensor] = {}
+        self._decode_stage_slots: torch.Tensor | None = None  # staging slot of each decoding token's block
 
     def _decode_table(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoding sequences' block tables in a cache group, padded into one tensor, and the block each
@@ -356,14 +363,50 @@ class StepBatch:
             self._decode_tables[group] = padded, padded[torch.arange(len(tables)), last]
         return self._decode_tables[group]
 
-    def _attend_decoding_together(self, layer, q, k, v, scaling: float, window: int | None,
-                                  out: torch.Tensor) -> None:
+    def _stage_table(self, layer_idx: int, layer, width: int) -> torch.Tensor:
+        """(decoding sequences, width): the staging slot of each block a quantized layer reads exact (its sinks
+        and the blocks not encoded yet), -1 for those read encoded; as `PagedKVPool.reader` splits them."""
+        seqs = [self.pool.seqs[self.seqs[i].seq_id] for i in self.decoding]
+        key = (layer.sink_blocks, width, tuple(state.flushed[layer_idx] for state in seqs))
+        if key not in self._stage_tables:  # layers of one recent window and sinks share it
+            rows, cols, slots = [], [], []
+            for row, state in enumerate(seqs):
+                flushed = state.flushed[layer_idx]
+                for b, slot in state.stage.items():
+                    if b < layer.sink_blocks or b >= flushed:
+                        rows.append(row)
+                        cols.append(b)
+                        slots.append(slot)
+            table = torch.full((len(seqs), width), -1, dtype=torch.long)
+            table[rows, cols] = torch.tensor(slots, dtype=torch.long)
+            self._stage_tables[key] = table
+        return self._stage_tables[key]
+
+    def _attend_decoding_together(self, layer_idx: int, layer, q, k, v, scaling: float, window: int | None,
+                                  sink: int, out: torch.Tensor) -> None:
         rows = self.decode_rows
         tables, blocks = self._decode_table(layer.group)
-        layer.keys[blocks, :, self.decode_slots] = k[0, :, rows].transpose(0, 1).to(layer.keys.dtype)
-        layer.values[blocks, :, self.decode_slots] = v[0, :, rows].transpose(0, 1).to(layer.values.dtype)
-        out[0, :, rows] = paged_decode_attention(q[0, :, rows].transpose(0, 1), layer.keys, layer.values,
-                                                 tables, self.decode_lengths, scaling, window).transpose(0, 1)
+        new_k, new_v = k[0, :, rows].transpose(0, 1), v[0, :, rows].transpose(0, 1)
+        staging = None
+        if layer.native:
+            layer.keys[blocks, :, self.decode_slots] = new_k.to(layer.keys.dtype)
+            layer.values[blocks, :, self.decode_slots] = new_v.to(layer.values.dtype)
+        else:  # into staging, then each sequence encodes the blocks that left its recent window
+            if self._decode_stage_slots is None:
+                self._decode_stage_slots = torch.tensor(
+                    [self.pool.seqs[self.seqs[i].seq_id].stage[int(b)] for i, b in
+                     zip(self.decoding, (self.decode_lengths - 1) // self.pool.block_size)], dtype=torch.long)
+            layer.stage_keys[self._decode_stage_slots, :, self.decode_slots] = new_k.to(layer.stage_keys.dtype)
+            layer.stage_values[self._decode_stage_slots, :, self.decode_slots] = new_v.to(layer.stage_values.dtype)
+            for i in self.decoding:
+                s = self.seqs[i]
+                self.pool.flush(layer_idx, s.seq_id, s.block_tables[layer.group], s.seq_len)
+            staging = ExactStaging(layer.stage_keys, layer.stage_values,
+                                   self._stage_table(layer_idx, layer, tables.shape[1]))
+        key_source, value_source = layer.kernel_sources
+        out[0, :, rows] = paged_decode_attention(
+            q[0, :, rows].transpose(0, 1), key_source, value_source, tables, self.decode_lengths, scaling, window,
+            sink, staging, num_kv_heads=k.shape[1], block_size=self.pool.block_size).transpose(0, 1)
 
     def attention(self, layer_idx: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) for the packed tokens; returns (1, H, N, D).
@@ -375,7 +418,7 @@ class StepBatch:
         window, sink = layer.window, layer.scheme.sink if layer.scheme.window else 0
         together = self.decoding if self.pool.kernel_decodes[layer_idx] else []
         if together:
-            self._attend_decoding_together(layer, q, k, v, scaling, window, out)
+            self._attend_decoding_together(layer_idx, layer, q, k, v, scaling, window, sink, out)
         skip = set(together)
         for i, (s, logical) in enumerate(zip(self.seqs, self.logical)):
             part = slice(start, start + s.num_new)

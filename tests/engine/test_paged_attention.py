@@ -197,3 +197,56 @@ def test_dense_cache_decode_reads_the_cache_in_place(dtype):
     want = torch.nn.functional.scaled_dot_product_attention(q, k.float(), v.float(), scale=0.125, enable_gqa=True)
     assert torch.allclose(got, want, atol=1e-5)
     assert dense_decode_attention(q, k.transpose(2, 3), v.transpose(2, 3), 0.125) is None
+
+
+def _quantized_codecs(name):
+    from paperback.kv.codecs import ChannelIntCodec, FP8Codec, TokenIntCodec
+
+    return {"int8": TokenIntCodec(8, 32), "int4": TokenIntCodec(4, 16), "int3": TokenIntCodec(3, 32),
+            "int2": TokenIntCodec(2, 32), "kivi2 keys": ChannelIntCodec(2, 32), "kivi4 keys": ChannelIntCodec(4, 16),
+            "kivi3 keys": ChannelIntCodec(3, 8), "fp8-e4m3": FP8Codec("e4m3", 0.05),
+            "fp8-e5m2 per head": FP8Codec("e5m2", torch.tensor([0.5, 2.0]).view(2, 1, 1))}[name]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2", "kivi2 keys", "kivi4 keys", "kivi3 keys", "fp8-e4m3",
+                                  "fp8-e5m2 per head"])
+@pytest.mark.parametrize("window, sink", [(None, 0), (70, 32)])
+def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink):
+    """Encoded blocks are decoded inside the kernel's loop exactly as the codec decodes them; blocks a staging table
+    names are read exact from staging instead; a window with sinks sees both spans."""
+    from paperback.engine.paged_attention import ExactStaging, codec_source, decode_kernel_available, \
+        paged_decode_attention
+
+    torch.manual_seed(2)
+    heads, kv_heads, dim, bs, num_blocks = 6, 2, 64, 32, 14
+    codec = _quantized_codecs(name)
+    raw_k, raw_v = torch.randn(num_blocks, kv_heads, bs, dim) * 3, torch.randn(num_blocks, kv_heads, bs, dim)
+    key_fields = {n: t.contiguous() for n, t in codec.encode(raw_k).items()}
+    value_fields = {n: t.contiguous() for n, t in codec.encode(raw_v).items()}
+    keys, values = codec.decode(key_fields, torch.float32), codec.decode(value_fields, torch.float32)
+    stage_k, stage_v = torch.randn(5, kv_heads, bs, dim).half(), torch.randn(5, kv_heads, bs, dim).half()
+    if codec_source(codec, key_fields) is None or not decode_kernel_available(stage_k):
+        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+    lengths = [200, 77, 1]
+    tables = torch.full((3, 7), -1)
+    stage_tables = torch.full((3, 7), -1)
+    order = torch.randperm(num_blocks)
+    tables[0], tables[1, :3], tables[2, :1] = order[:7], order[7:10], order[10:11]
+    stage_tables[0, 0], stage_tables[0, 6], stage_tables[1, 2], stage_tables[2, 0] = 3, 0, 4, 1  # sinks, recent
+    q = torch.randn(3, heads, dim)
+    got = paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields), tables,
+                                 torch.tensor(lengths), 0.125, window, sink,
+                                 ExactStaging(stage_k, stage_v, stage_tables), num_kv_heads=kv_heads, block_size=bs)
+    for i, n in enumerate(lengths):
+        blocks = -(-n // bs)
+        rows = [(stage_k[s], stage_v[s]) if s >= 0 else (keys[b], values[b])
+                for b, s in zip(tables[i, :blocks].tolist(), stage_tables[i, :blocks].tolist())]
+        k = torch.cat([r[0].float() for r in rows], 1)[:, :n]  # (Hkv, n, D)
+        v = torch.cat([r[1].float() for r in rows], 1)[:, :n]
+        seen = torch.ones(n, dtype=torch.bool)
+        if window:
+            pos = torch.arange(n)
+            seen = (pos > n - 1 - window) | (pos < sink)
+        scores = (q[i].view(kv_heads, 3, dim) @ k.transpose(1, 2)) * 0.125
+        want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v
+        assert torch.allclose(got[i], want.reshape(heads, dim), atol=2e-5), name

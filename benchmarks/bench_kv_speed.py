@@ -1,0 +1,187 @@
+"""Decode speed of the paged engine by KV format, at long contexts: does reading fewer bytes pay?
+
+    .venv/bin/python benchmarks/bench_kv_speed.py [--model smollm2] [--contexts 2048 8192] [--batch 4]
+        [--kv fp16 fp8 int8 int4 kivi2] [--decode-tokens 32] [--threads 2] [--paths kernel python]
+
+One WikiText-2 prompt of (context - decode tokens) tokens is prefilled once
+and forked into `batch` sampled sequences (`n`), which then decode together,
+so every decode step attends over `batch` sequences of about `context`
+tokens. Only decode steps are timed (steps that add one token per running
+sequence); prefill is left out. Paths: "kernel", the C decode kernel reading
+every format's blocks in place (encoded blocks decoded inside its attention
+loop); "python", quantized layers decoding through `paged_attention`, their
+blocks decoded by PyTorch a few at a time per sequence, as the engine did
+before the kernel read them. Each configuration runs in its own process.
+Writes benchmarks/results/kv_speed_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from results_io import run_worker, warn_if_busy, write_results
+
+
+def worker(args) -> dict:
+    import torch
+
+    from paperback.engine.llm import LLMEngine
+    from paperback.evaluation import load_text
+    from paperback.generation.sampling import SamplingParams
+    from paperback.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model, "fp32")
+    prompt = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)[:args.context - args.decode_tokens]
+    engine = LLMEngine(lm, kv=args.kv, kv_memory=args.kv_memory << 20)
+    if args.path == "python":  # quantized layers back on the per-sequence PyTorch path
+        engine.pool.kernel_decodes = [k and layer.native for k, layer in zip(engine.pool.kernel_decodes,
+                                                                              engine.pool.layers)]
+    engine.add_request(prompt, SamplingParams(n=args.batch, max_tokens=args.decode_tokens, temperature=0.8, seed=0,
+                                              ignore_eos=True))
+    decode_seconds, decode_tokens, steps = 0.0, 0, 0
+    while engine.has_unfinished:
+        before, running = engine.positions_computed, engine.num_running
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        added = engine.positions_computed - before
+        if running == args.batch and added == args.batch:  # every sequence added one token: a decode step
+            decode_seconds += elapsed
+            decode_tokens += added
+            steps += 1
+    return {"kv": args.kv, "path": args.path, "context": args.context, "batch": args.batch, "decode_steps": steps,
+            "decode_tokens_per_s": decode_tokens / decode_seconds, "ms_per_step": 1e3 * decode_seconds / steps,
+            "pool_bytes": engine.pool.nbytes}
+
+
+def attention_worker(args) -> dict:
+    """One layer's decode attention alone, the kernel over a pool of `batch` sequences of each context: per format,
+    the median of `repeats` calls, formats in rotation (so drift hits each alike)."""
+    import statistics
+
+    import torch
+
+    from paperback.engine.paged_attention import (ExactStaging, codec_source, native_source,
+                                                  paged_decode_attention)
+    from paperback.kv.schemes import parse_kv_scheme
+    from paperback.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    config = load_model(args.model, "fp32", with_tokenizer=False).model.config
+    heads, kv_heads, dim, bs = config.num_heads, config.num_kv_heads, config.head_dim, 32
+    gen = torch.Generator().manual_seed(0)
+    rows = {}
+    for context in args.contexts:
+        need = -(-context // bs)
+        raw = torch.randn(args.batch * need, kv_heads, bs, dim, generator=gen)
+        tables = torch.randperm(args.batch * need, generator=gen).view(args.batch, need)
+        lengths = torch.full((args.batch,), context)
+        q = torch.randn(args.batch, heads, dim, generator=gen)
+        calls = {}
+        for kv in args.kv:
+            scheme = parse_kv_scheme(kv)
+            if scheme.is_native:
+                stored = raw.to({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[scheme.dtype])
+                sources, staging, nbytes = (native_source(stored), native_source(stored)), None, 2 * stored.nbytes
+                keep = [stored]
+            else:
+                key_codec, value_codec = scheme.codecs()
+                key_fields = {n: t.contiguous() for n, t in key_codec.encode(raw).items()}
+                value_fields = {n: t.contiguous() for n, t in value_codec.encode(raw).items()}
+                recent = -(-scheme.residual // bs) + 1  # the recent window and the block being filled, exact
+                stage = raw[:args.batch * recent].half()
+                stage_tables = torch.full((args.batch, need), -1)
+                stage_tables[:, need - recent:] = torch.arange(args.batch * recent).view(args.batch, recent)
+                staging = ExactStaging(stage, stage, stage_tables)
+                sources = (codec_source(key_codec, key_fields), codec_source(value_codec, value_fields))
+                encoded = sum(t.nbytes for t in (*key_fields.values(), *value_fields.values()))
+                nbytes = encoded * (need - recent) // need + 2 * args.batch * recent * stage[0].nbytes
+                keep = [key_fields, value_fields, stage]
+            calls[kv] = (sources, staging, nbytes, keep)
+        times = {kv: [] for kv in calls}
+        for _ in range(args.repeats):
+            for kv, (sources, staging, _, _) in calls.items():
+                start = time.perf_counter()
+                paged_decode_attention(q, *sources, tables, lengths, dim ** -0.5, None, 0, staging,
+                                       num_kv_heads=kv_heads, block_size=bs)
+                times[kv].append(time.perf_counter() - start)
+        for kv, (_, _, nbytes, _) in calls.items():
+            ms = statistics.median(times[kv]) * 1e3
+            rows[f"{kv}@{context}"] = {"kv": kv, "context": context, "ms_per_layer": ms, "mib_read": nbytes / 2**20,
+                                       "gb_per_s": nbytes / ms / 1e6}
+    return {"rows": list(rows.values())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--kv", nargs="+", default=["fp16", "fp8", "int8", "int4", "kivi2"])
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--paths", nargs="+", default=["kernel", "python"], choices=["kernel", "python"])
+    p.add_argument("--kv-memory", type=int, default=2048, help="MiB of KV pool")
+    p.add_argument("--part", choices=["engine", "attention", "both"], default="both",
+                   help="engine: decode steps of the whole model; attention: one layer's decode attention alone")
+    p.add_argument("--repeats", type=int, default=30, help="attention part: calls per format")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--attention-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        args.kv = args.kv[0]
+        print(json.dumps(worker(args)))
+        return
+    if args.attention_worker:
+        print(json.dumps(attention_worker(args)))
+        return
+    warn_if_busy()
+    payload = {"model": args.model, "batch": args.batch, "threads": args.threads, "decode_tokens": args.decode_tokens}
+    if args.part in ("attention", "both"):
+        attention = run_worker([__file__, "--attention-worker", "--model", args.model, "--batch", str(args.batch),
+                                "--threads", str(args.threads), "--repeats", str(args.repeats), "--contexts",
+                                *map(str, args.contexts), "--kv", *args.kv], "attention")["rows"]
+        base = {r["context"]: r["ms_per_layer"] for r in attention if r["kv"] == "fp16"}
+        print(f"\none layer's decode attention, {args.batch} sequences, {args.threads} threads")
+        print(f"{'context':>8} {'KV':>8} {'ms':>8} {'vs fp16':>8} {'MiB read':>9} {'GB/s':>6}")
+        for r in attention:
+            r["speed_vs_fp16"] = base[r["context"]] / r["ms_per_layer"] if r["context"] in base else None
+            print(f"{r['context']:>8} {r['kv']:>8} {r['ms_per_layer']:>8.3f} {r['speed_vs_fp16'] or 0:>7.2f}x "
+                  f"{r['mib_read']:>9.1f} {r['gb_per_s']:>6.1f}")
+        payload["attention"] = attention
+    if args.part == "attention":
+        payload["load_average"] = warn_if_busy(own_threads=args.threads)
+        write_results(f"kv_speed_{args.model}.json", payload)
+        return
+    rows = []
+    for context in args.contexts:
+        for kv in args.kv:
+            for path in args.paths:
+                if path == "python" and kv in ("fp16", "fp32", "bf16"):
+                    continue  # native layers take the kernel either way
+                rows.append(run_worker([__file__, "--worker", "--model", args.model, "--kv", kv, "--context",
+                                        str(context), "--batch", str(args.batch), "--decode-tokens",
+                                        str(args.decode_tokens), "--threads", str(args.threads), "--path", path,
+                                        "--kv-memory", str(args.kv_memory)], f"{kv} {path} at {context}"))
+    load = warn_if_busy(own_threads=args.threads)
+    base = {r["context"]: r["decode_tokens_per_s"] for r in rows if r["kv"] == "fp16"}
+    print(f"\ndecode tokens/s, {args.batch} sequences of each context together, {args.threads} threads "
+          f"(load average {load:.2f})")
+    print(f"{'context':>8} {'KV':>8} {'path':>7} {'tok/s':>8} {'ms/step':>8} {'vs fp16':>8} {'pool MiB':>9}")
+    for r in rows:
+        ratio = r["decode_tokens_per_s"] / base[r["context"]] if r["context"] in base else float("nan")
+        r["vs_fp16"] = ratio
+        print(f"{r['context']:>8} {r['kv']:>8} {r['path']:>7} {r['decode_tokens_per_s']:>8.1f} "
+              f"{r['ms_per_step']:>8.1f} {ratio:>7.2f}x {r['pool_bytes'] / 2**20:>9.0f}")
+    payload.update(load_average=load, rows=rows)
+    write_results(f"kv_speed_{args.model}.json", payload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
