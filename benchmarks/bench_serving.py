@@ -35,6 +35,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -97,14 +98,17 @@ class LinearTimer:
 
 
 def paged_worker(args) -> dict:
+    """The paged engine: the fp32 model and cache ("paged"), or what a user runs ("paged-user": the W4
+    checkpoint and the quantized KV format, in the same KV memory)."""
     from paperback.engine.llm import LLMEngine
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
 
-    lm = load_model(args.model, "fp32")
+    user = args.worker == "paged-user"
+    lm = load_model(args.user_checkpoint if user else args.model, "fp32")
     work = workload(lm.tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)
-    engine = LLMEngine(lm, kv="fp32", kv_memory=args.kv_memory_mib * 2 ** 20,
+    engine = LLMEngine(lm, kv=args.user_kv if user else "fp32", kv_memory=args.kv_memory_mib * 2 ** 20,
                        scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens))
     start = time.perf_counter()
     for prompt, n in work:
@@ -120,7 +124,7 @@ def paged_worker(args) -> dict:
             reserved += engine.blocks.num_used * engine.blocks.block_size
     seconds = time.perf_counter() - start
     assert sorted(len(o.outputs[0].token_ids) for o in outputs) == sorted(n for _, n in work)
-    return summary(TOOL_NAMES["paged"], work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
+    return summary(TOOL_NAMES[args.worker], work, seconds, [o.timings["time_to_first_token_s"] for o in outputs],
                    held / reserved, {"kv_pool_bytes": engine.pool.nbytes, "peak_running": peak_running,
                                      "preemptions": sum(o.timings["preemptions"] for o in outputs),
                                      "positions_computed": engine.positions_computed,
@@ -207,7 +211,21 @@ def contiguous_reservation(work, budget_tokens: int, max_step_tokens: int, reser
     return held_total / reserved_total
 
 
-TOOL_NAMES = {"paged": "paperback paged", "transformers": "transformers static batches"}
+TOOL_NAMES = {"paged": "paperback paged", "transformers": "transformers static batches",
+              "paged-user": "paperback paged, W4 checkpoint + quantized KV"}
+
+
+def user_checkpoint(args, scratch: str) -> str:
+    """The W4 checkpoint the "paged-user" row serves: --user-checkpoint, else RTN W4a-g128 with the head at W4 too,
+    made now under `scratch` (speed does not depend on how the codes were chosen)."""
+    from paperback.cli import main as paperback_cli
+
+    if args.user_checkpoint:
+        return args.user_checkpoint
+    path = f"{scratch}/{args.model}-w4a-g128"
+    if paperback_cli(["quantize", args.model, "-o", path, "--method", "rtn", "--edge-scheme", "same", "--json"]):
+        raise SystemExit("quantize failed for the paged-user row's checkpoint")
+    return path
 
 
 def throughput(args, work, config, previous: dict | None) -> dict:
@@ -215,17 +233,22 @@ def throughput(args, work, config, previous: dict | None) -> dict:
     kept = {r["tool"]: r for r in (previous or {}).get("rows", [])}
     budget_tokens = args.kv_memory_mib * 2 ** 20 // dense_kv_bytes_per_token(config, torch.float32)
     rows = []
-    for tool in ("paged", "transformers"):
+    for tool in TOOL_NAMES:
         if tool not in args.tools:
-            if TOOL_NAMES[tool] not in kept:
+            if TOOL_NAMES[tool] in kept:
+                rows.append(kept[TOOL_NAMES[tool]])
+            elif tool != "paged-user":
                 raise SystemExit(f"no earlier {tool} row to keep: run it too (--tools paged transformers)")
-            rows.append(kept[TOOL_NAMES[tool]])
             continue
-        rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests", str(args.requests),
-                                "--seed", str(args.seed), "--kv-memory-mib", str(args.kv_memory_mib),
-                                "--max-num-seqs", str(args.max_num_seqs), "--max-step-tokens",
-                                str(args.max_step_tokens), "--max-prompt", str(args.max_prompt),
-                                "--max-output", str(args.max_output), "--budget-tokens", str(budget_tokens)], tool))
+        with tempfile.TemporaryDirectory() as scratch:
+            user = (["--user-checkpoint", user_checkpoint(args, scratch), "--user-kv", args.user_kv]
+                    if tool == "paged-user" else [])
+            rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests",
+                                    str(args.requests), "--seed", str(args.seed), "--kv-memory-mib",
+                                    str(args.kv_memory_mib), "--max-num-seqs", str(args.max_num_seqs),
+                                    "--max-step-tokens", str(args.max_step_tokens), "--max-prompt",
+                                    str(args.max_prompt), "--max-output", str(args.max_output), "--budget-tokens",
+                                    str(budget_tokens), *user], tool))
     contiguous = {
         "reserve prompt + max_tokens": contiguous_reservation(
             work, budget_tokens, args.max_step_tokens, lambda p, n: len(p) + n),
@@ -236,7 +259,9 @@ def throughput(args, work, config, previous: dict | None) -> dict:
     # Throughput splits into work avoided (positions each tool runs through the model) and speed per position.
     useful = sum(len(p) + n - 1 for p, n in work)  # a request's last token is sampled, never run
     work_ratio = rows[1].get("positions_computed", 0) / rows[0].get("positions_computed", 1)
+    user_speedup = rows[2]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"] if len(rows) > 2 else None
     return {"rows": rows, "speedup": rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"],
+            "user_speedup": user_speedup, "user_kv": args.user_kv if len(rows) > 2 else None,
             "useful_positions": useful, "work_ratio": work_ratio,
             "contiguous_utilization": contiguous, "budget_tokens": budget_tokens}
 
@@ -350,7 +375,9 @@ def print_tables(report: dict, model: str) -> None:
                      for r in t["rows"]]
                     + [[f"contiguous, {k}", "", "", "", "", f"{100 * v:.1f}%" if v is not None else "does not fit",
                         "", "", ""] for k, v in t["contiguous_utilization"].items()])
-        print(f"paged / transformers output tokens/s: {t['speedup']:.2f}x")
+        print(f"paged / transformers output tokens/s, same weights and cache (fp32): {t['speedup']:.2f}x")
+        if t.get("user_speedup"):
+            print(f"paged W4 + {t['user_kv']} KV / transformers fp32 (what a user runs): {t['user_speedup']:.2f}x")
         if t.get("work_ratio"):
             print(f"positions transformers runs per position paperback runs: {t['work_ratio']:.2f}x "
                   f"({t['useful_positions']} needed); the rest of the ratio is speed per position")
@@ -388,16 +415,18 @@ def run() -> int:
     parser.add_argument("--capacity-mib", type=int, default=1024)
     parser.add_argument("--capacity-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--capacity-kv", nargs="+", default=["bf16", "fp8", "int8", "int4", "kivi4", "kivi2"])
-    parser.add_argument("--tools", nargs="+", choices=["paged", "transformers"], default=["paged", "transformers"],
+    parser.add_argument("--tools", nargs="+", choices=list(TOOL_NAMES), default=list(TOOL_NAMES),
                         help="rerun only these; the other keeps its row from the last run of the same workload")
-    parser.add_argument("--worker", choices=["paged", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--user-kv", default="kivi2", help="the paged-user row's KV format")
+    parser.add_argument("--user-checkpoint", help="the paged-user row's checkpoint (default: RTN W4a-g128, made once)")
+    parser.add_argument("--worker", choices=list(TOOL_NAMES), help=argparse.SUPPRESS)
     parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     from paperback.loading import load_model
 
     if args.worker:
-        print(json.dumps((paged_worker if args.worker == "paged" else transformers_worker)(args)))
+        print(json.dumps((transformers_worker if args.worker == "transformers" else paged_worker)(args)))
         return 0
     lm = load_model(args.model, "fp32")
     work = workload(lm.tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)

@@ -31,6 +31,7 @@ class BenchConfig:
     repeats: int = 3
     dataset: str = "wikitext2"
     decode_activations: str = "fp32"  # paperback's packed decode path: fp32 or int8 activations
+    prefill_matmul: str = "fp32"  # paperback's packed prefill path: fp32 or bf16 tiles
     threads: int | None = None  # None: torch's default
     profile: bool = False  # also time a decode step's parts (paperback.bench.step_profile)
 
@@ -39,11 +40,14 @@ class BenchConfig:
 
         if self.prompt_tokens < 1 or self.decode_tokens < 2 or self.repeats < 1:
             raise PaperbackError("prompt tokens >= 1, decode tokens >= 2 and repeats >= 1 are required")
-        from paperback.quantization.kernels import DECODE_ACTIVATIONS
+        from paperback.quantization.kernels import DECODE_ACTIVATIONS, PREFILL_MATMULS
 
         if self.decode_activations not in DECODE_ACTIVATIONS:
             raise PaperbackError(f"decode activations must be one of {' or '.join(DECODE_ACTIVATIONS)}, got "
                                  f"{self.decode_activations!r}")
+        if self.prefill_matmul not in PREFILL_MATMULS:
+            raise PaperbackError(f"prefill matmul must be one of {' or '.join(PREFILL_MATMULS)}, got "
+                                 f"{self.prefill_matmul!r}")
         if self.threads is not None and self.threads < 1:
             raise PaperbackError("threads must be at least 1")
         if not self.batches or min(self.batches) < 1:
@@ -145,12 +149,13 @@ ENGINES = {"paperback": PaperbackEngine, "transformers": TransformersEngine}
 
 def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
     """All measurements of one engine; called in a worker process."""
-    from paperback.quantization.kernels import set_decode_activations
+    from paperback.quantization.kernels import set_decode_activations, set_prefill_matmul
 
     torch.manual_seed(0)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     set_decode_activations(cfg.decode_activations)
+    set_prefill_matmul(cfg.prefill_matmul)
     start = time.perf_counter()
     engine = ENGINES[engine_name](cfg)
     load_s = time.perf_counter() - start

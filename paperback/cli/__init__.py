@@ -30,21 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _decode_activations(args: argparse.Namespace):
-    """--decode-activations for this command only (main() also runs in-process, e.g. in tests); commands without
-    the option import nothing for it."""
+def _kernel_modes(args: argparse.Namespace):
+    """--decode-activations and --prefill-matmul for this command only (main() also runs in-process, e.g. in
+    tests); commands without the options import nothing for them."""
     if getattr(args, "decode_activations", None) is None:
         return contextlib.nullcontext()
-    from paperback.quantization.kernels import decode_activations_as
+    from paperback.quantization.kernels import kernel_modes
 
-    return decode_activations_as(args.decode_activations)
+    return kernel_modes(args.decode_activations, args.prefill_matmul)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     try:
-        with _decode_activations(args):
+        with _kernel_modes(args):
             return args.func(args)
     except PaperbackError as exc:
         print(f"paperback: error: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.common import add_kernel_args, add_dtype_arg, add_json_arg, add_model_arg
 from paperback.cli.output import err_console, note, print_json, print_table
 
 
@@ -27,7 +27,7 @@ def register(sub) -> None:
                         "norms, head, sampling, the rest)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
     add_dtype_arg(p)
-    add_decode_activations_arg(p)
+    add_kernel_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats,
-                      decode_activations=args.decode_activations, threads=args.threads, profile=args.profile)
+                      decode_activations=args.decode_activations, prefill_matmul=args.prefill_matmul,
+                      threads=args.threads, profile=args.profile)
     peers = () if args.peer == "none" else (args.peer,)
     if args.json:
         report = run_bench(cfg, peers)

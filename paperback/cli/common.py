@@ -20,12 +20,16 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
                         help="runtime dtype of weights and activations (default fp32)")
 
 
-def add_decode_activations_arg(parser: argparse.ArgumentParser) -> None:
+def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-activations", default="fp32", choices=["fp32", "int8"],
                         help="how decode steps meet packed weights: fp32 (exact; the default) or int8 (activations "
                              "rounded to int8 in blocks of 32 and multiplied with integer dot products, as "
                              "llama.cpp does; faster, at a small measured cost: docs/weights.md)")
-    # paperback.cli.main applies it around the command
+    parser.add_argument("--prefill-matmul", default="fp32", choices=["fp32", "bf16"],
+                        help="how prefill meets packed weights: fp32 (exact; the default) or bf16 (weight tiles and "
+                             "activations rounded to bf16, as a bf16 model's matmuls are; faster where the CPU has "
+                             "AVX-512 BF16, at a small measured cost: docs/weights.md)")
+    # paperback.cli.main applies both around the command
 
 
 def add_json_arg(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_model_arg
 from paperback.cli.output import print_json, print_table
 from paperback.evaluation import DATASETS
 from paperback.kv.families import NAMED
@@ -49,6 +49,7 @@ def register(sub) -> None:
     kv.add_argument("--per-position", action="store_true",
                     help="also report mean NLL and KL by position in the window (JSON)")
     add_dtype_arg(p)
+    add_kernel_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 

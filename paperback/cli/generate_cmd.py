@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_json_arg
+from paperback.cli.common import add_kernel_args, add_dtype_arg, add_json_arg
 from paperback.cli.output import note, print_json
 from paperback.errors import PaperbackError
 from paperback.loading.sources import DEFAULT_MODEL
@@ -26,7 +26,7 @@ def register(sub) -> None:
                    help="send the prompt as plain text even if the model has a chat template")
     p.add_argument("--ignore-eos", action="store_true")
     add_dtype_arg(p)
-    add_decode_activations_arg(p)
+    add_kernel_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_decode_activations_arg, add_dtype_arg, add_model_arg
+from paperback.cli.common import add_kernel_args, add_dtype_arg, add_model_arg
 from paperback.cli.output import note
 
 
@@ -69,7 +69,7 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model and cache live")
     p.add_argument("--max-body-size", default="4MiB", help="largest request body accepted (default 4MiB)")
     add_dtype_arg(p)
-    add_decode_activations_arg(p)
+    add_kernel_args(p)
     p.set_defaults(func=run)
 
 

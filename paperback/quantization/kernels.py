@@ -54,6 +54,17 @@ if decode_activations not in DECODE_ACTIVATIONS:  # a user error: the CLI prints
                          f"got {decode_activations!r}")
 
 
+# How prefill rows (more than GEMV_MAX_ROWS) meet the weights: "fp32" (tiles dequantized to fp32, fp32 BLAS:
+# the exact reference) or "bf16" (tiles dequantized and rounded to bf16, activations rounded to bf16, a bf16
+# GEMM accumulating in fp32: what a bf16 model's matmuls do, fast where the CPU has AVX-512 BF16 or AMX).
+# PAPERBACK_PREFILL_MATMUL sets it at import; set_prefill_matmul() at run time.
+PREFILL_MATMULS = ("fp32", "bf16")
+prefill_matmul = os.environ.get("PAPERBACK_PREFILL_MATMUL", "fp32")
+if prefill_matmul not in PREFILL_MATMULS:
+    raise PaperbackError(f"PAPERBACK_PREFILL_MATMUL must be one of {', '.join(PREFILL_MATMULS)}, "
+                         f"got {prefill_matmul!r}")
+
+
 def set_decode_activations(mode: str) -> str:
     """Choose how decode rows meet the packed codes ("fp32" or "int8"); returns the previous mode."""
     global decode_activations
@@ -63,15 +74,29 @@ def set_decode_activations(mode: str) -> str:
     return previous
 
 
+def set_prefill_matmul(mode: str) -> str:
+    """Choose how prefill rows meet the packed weights ("fp32" or "bf16"); returns the previous mode."""
+    global prefill_matmul
+    if mode not in PREFILL_MATMULS:
+        raise PaperbackError(f"prefill matmul must be one of {', '.join(PREFILL_MATMULS)}, got {mode!r}")
+    previous, prefill_matmul = prefill_matmul, mode
+    return previous
+
+
 @contextlib.contextmanager
-def decode_activations_as(mode: str | None):
-    """Decode activations in `mode` inside the block (None: leave them as they are), restored after."""
-    previous = set_decode_activations(mode) if mode is not None else None
+def kernel_modes(decode: str | None = None, prefill: str | None = None):
+    """Decode activations and prefill matmul in these modes inside the block (None: leave one as it is),
+    restored after."""
+    previous = (set_decode_activations(decode) if decode is not None else None,
+                set_prefill_matmul(prefill) if prefill is not None else None)
     try:
         yield
     finally:
-        if previous is not None:
-            set_decode_activations(previous)
+        if previous[0] is not None:
+            set_decode_activations(previous[0])
+        if previous[1] is not None:
+            set_prefill_matmul(previous[1])
+
 
 
 def kernel_available() -> bool:
@@ -124,27 +149,40 @@ def dequantize_cpu(layer) -> torch.Tensor:
     return out
 
 
-def _tile_buffer(numel: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
+def _tile_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    name = f"buf_{dtype}"
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel)
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, name, buf)
     return buf[:numel]
 
 
+def _dequantized_tile(layer, first: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weight rows [first, first + rows) dequantized into a reused buffer, in fp32 or rounded to `dtype`."""
+    k = layer.in_features
+    w = _tile_buffer(rows * k).view(rows, k)
+    _dequantize_rows(layer, first, w)
+    if dtype == torch.float32:
+        return w
+    return _tile_buffer(rows * k, dtype).view(rows, k).copy_(w)
+
+
 def _dequantize_matmul(layer, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 @ W^T for many rows: BLAS on fp32 tiles of W dequantized into a reused buffer."""
+    """x2 @ W^T for many rows: BLAS on tiles of W dequantized into a reused buffer (`prefill_matmul`: fp32
+    tiles, or bf16 tiles and activations with an fp32 result)."""
     n, k = layer.out_features, layer.in_features
+    dtype = torch.bfloat16 if prefill_matmul == "bf16" else torch.float32
+    if dtype != torch.float32:
+        x2, bias = x2.to(dtype), bias.to(dtype) if bias is not None else None
     tile = max(1, min(n, DEQUANT_TILE_BYTES // (4 * k)))
     if tile == n:
-        w = _tile_buffer(n * k).view(n, k)
-        _dequantize_rows(layer, 0, w)
-        return F.linear(x2, w, bias)
+        return F.linear(x2, _dequantized_tile(layer, 0, n, dtype), bias).float()
     y = torch.empty(x2.shape[0], n)
     for first in range(0, n, tile):
         rows = min(tile, n - first)
-        w = _tile_buffer(rows * k).view(rows, k)
-        _dequantize_rows(layer, first, w)
-        y[:, first:first + rows] = F.linear(x2, w, bias[first:first + rows] if bias is not None else None)
+        y[:, first:first + rows] = F.linear(x2, _dequantized_tile(layer, first, rows, dtype),
+                                            bias[first:first + rows] if bias is not None else None)
     return y
 
 

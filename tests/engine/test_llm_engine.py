@@ -358,3 +358,24 @@ def test_a_max_model_len_out_of_range_is_refused(tiny32):
     for bad in (0, 10 ** 6):
         with pytest.raises(PaperbackError, match="max_model_len"):
             LLMEngine(tiny32, num_blocks=8, max_model_len=bad)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "int8:r=32", "int4:r=32", "kivi2:r=32", "kivi4:r=32,sink=32,window=96"])
+def test_decode_kernel_reads_quantized_blocks_as_the_per_sequence_path_does(tiny32, spec):
+    """Sequences decoding together through the C kernel, their encoded blocks read in place, sample what the
+    per-sequence PyTorch path samples: the same logits, to the kernel's rounding."""
+    def run(kernel: bool):
+        engine = LLMEngine(tiny32, kv=spec, num_blocks=96, scheduler=SchedulerConfig(4, 512))
+        if not kernel:
+            engine.pool.kernel_decodes = [False] * len(engine.pool.layers)
+        elif not all(engine.pool.kernel_decodes):
+            pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+        for i, p in enumerate(prompts(4, seed=3, shared_prefix=150)):
+            engine.add_request(p, SamplingParams(max_tokens=40, logprobs=0), request_id=str(i))
+        return {o.request_id: o.outputs[0] for o in engine.run()}
+
+    with_kernel, without = run(True), run(False)
+    for rid, out in without.items():
+        assert with_kernel[rid].token_ids == out.token_ids
+        got, want = [lp.logprob for lp in with_kernel[rid].logprobs], [lp.logprob for lp in out.logprobs]
+        assert len(want) == 40 and got == pytest.approx(want, abs=1e-4)

@@ -166,3 +166,26 @@ def test_layers_sharing_an_input_share_one_call_with_the_same_results(rows, simd
     mixed = layers[:2] + [make_layer(QuantScheme(8, None, True), 16, 576)]
     for layer, y in zip(mixed, QuantLinear.forward_many(mixed, x)):
         assert torch.equal(y, layer(x))
+
+
+@pytest.mark.parametrize("out_features, in_features", [(48, 576), (1100, 1024)])  # the second takes two tiles
+def test_bf16_prefill_is_the_bf16_matmul_of_the_dequantized_weight(out_features, in_features):
+    """--prefill-matmul bf16: the packed weight dequantized, both operands rounded to bf16, one bf16 GEMM; decode
+    rows keep their own path, and fp32 prefill stays exact."""
+    layer = make_layer(QuantScheme(4, 128), out_features, in_features)
+    x = torch.randn(kernels.GEMV_MAX_ROWS + 24, in_features)
+    weight = layer.dequantized_weight(torch.float32)
+    with kernels.kernel_modes(prefill="bf16"):
+        got = layer(x)
+        decode = layer(x[:1])
+    assert got.dtype == torch.float32 and kernels.prefill_matmul == "fp32"  # restored after the block
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), layer.bias.bfloat16()).float()
+    assert max_rel_error(got, want) < 1e-2  # the same bf16 arithmetic, tiled, with its output rounding
+    assert max_rel_error(got, layer.reference_forward(x)) > 1e-4  # it did round
+    assert max_rel_error(decode, layer.reference_forward(x[:1])) < 2e-6
+    assert max_rel_error(layer(x), layer.reference_forward(x)) < 2e-6
+
+
+def test_an_unknown_prefill_matmul_is_refused():
+    with pytest.raises(PaperbackError, match="prefill matmul must be one of"):
+        kernels.set_prefill_matmul("int8")
