@@ -105,7 +105,11 @@ def paged_worker(args) -> dict:
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
 
+    from paperback.quantization.kernels import set_prefill_matmul
+
     user = args.worker == "paged-user"
+    if user:  # many-row steps (prefill chunks, batched decode) through bf16 tiles, as `--prefill-matmul bf16`
+        set_prefill_matmul(args.user_prefill_matmul)
     lm = load_model(args.user_checkpoint if user else args.model, "fp32")
     work = workload(lm.tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)
     engine = LLMEngine(lm, kv=args.user_kv if user else "fp32", kv_memory=args.kv_memory_mib * 2 ** 20,
@@ -241,8 +245,8 @@ def throughput(args, work, config, previous: dict | None) -> dict:
                 raise SystemExit(f"no earlier {tool} row to keep: run it too (--tools paged transformers)")
             continue
         with tempfile.TemporaryDirectory() as scratch:
-            user = (["--user-checkpoint", user_checkpoint(args, scratch), "--user-kv", args.user_kv]
-                    if tool == "paged-user" else [])
+            user = (["--user-checkpoint", user_checkpoint(args, scratch), "--user-kv", args.user_kv,
+                     "--user-prefill-matmul", args.user_prefill_matmul] if tool == "paged-user" else [])
             rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests",
                                     str(args.requests), "--seed", str(args.seed), "--kv-memory-mib",
                                     str(args.kv_memory_mib), "--max-num-seqs", str(args.max_num_seqs),
@@ -262,6 +266,7 @@ def throughput(args, work, config, previous: dict | None) -> dict:
     user_speedup = rows[2]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"] if len(rows) > 2 else None
     return {"rows": rows, "speedup": rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"],
             "user_speedup": user_speedup, "user_kv": args.user_kv if len(rows) > 2 else None,
+            "user_prefill_matmul": args.user_prefill_matmul if len(rows) > 2 else None,
             "useful_positions": useful, "work_ratio": work_ratio,
             "contiguous_utilization": contiguous, "budget_tokens": budget_tokens}
 
@@ -418,6 +423,8 @@ def run() -> int:
     parser.add_argument("--tools", nargs="+", choices=list(TOOL_NAMES), default=list(TOOL_NAMES),
                         help="rerun only these; the other keeps its row from the last run of the same workload")
     parser.add_argument("--user-kv", default="kivi2", help="the paged-user row's KV format")
+    parser.add_argument("--user-prefill-matmul", default="bf16", choices=["fp32", "bf16"],
+                        help="the paged-user row's matmul for steps of more than 16 rows")
     parser.add_argument("--user-checkpoint", help="the paged-user row's checkpoint (default: RTN W4a-g128, made once)")
     parser.add_argument("--worker", choices=list(TOOL_NAMES), help=argparse.SUPPRESS)
     parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)

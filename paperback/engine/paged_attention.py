@@ -206,7 +206,7 @@ def native_source(rows: torch.Tensor) -> KernelSource:
 def codec_source(codec, fields: dict[str, torch.Tensor]) -> KernelSource | None:
     """A quantized layer's pool fields (num_blocks, Hkv, rows, width) as the kernel reads them in place, or None
     for a codec it does not know (PN-Mix's channel split), which then decodes through PyTorch."""
-    from paperback.kv.codecs import ChannelIntCodec, FP8Codec, TokenIntCodec
+    from paperback.kv.codecs import ChannelIntCodec, FP8Codec, TokenIntCodec  # here: paperback.kv loads the models
 
     if _paged_kernel is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in fields.values()):
         return None
