@@ -425,7 +425,8 @@ def run() -> int:
     parser.add_argument("--user-kv", default="kivi2", help="the paged-user row's KV format")
     parser.add_argument("--user-prefill-matmul", default="bf16", choices=["fp32", "bf16"],
                         help="the paged-user row's matmul for steps of more than 16 rows")
-    parser.add_argument("--user-checkpoint", help="the paged-user row's checkpoint (default: RTN W4a-g128, made once)")
+    parser.add_argument("--user-checkpoint",
+                        help="the paged-user row's checkpoint (default: RTN W4a-g128, made for the run)")
     parser.add_argument("--worker", choices=list(TOOL_NAMES), help=argparse.SUPPRESS)
     parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

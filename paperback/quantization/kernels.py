@@ -43,43 +43,41 @@ _scratch = threading.local()
 # PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
 enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 
+def _mode(value: str, allowed: tuple[str, ...], what: str) -> str:
+    """value, or a one-line user error naming the choices (the CLI prints it as such)."""
+    if value not in allowed:
+        raise PaperbackError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 # How decode rows meet the packed codes: "fp32" (the exact reference: codes converted to floats) or "int8"
 # (activations rounded to int8 in blocks of 32 and multiplied with integer dot products, as llama.cpp's Q8
 # blocks are; layers whose inputs or groups are not multiples of 32 stay fp32). PAPERBACK_DECODE_ACTIVATIONS
 # sets it at import; set_decode_activations() at run time.
 DECODE_ACTIVATIONS = ("fp32", "int8")
-decode_activations = os.environ.get("PAPERBACK_DECODE_ACTIVATIONS", "fp32")
-if decode_activations not in DECODE_ACTIVATIONS:  # a user error: the CLI prints it on one line
-    raise PaperbackError(f"PAPERBACK_DECODE_ACTIVATIONS must be one of {', '.join(DECODE_ACTIVATIONS)}, "
-                         f"got {decode_activations!r}")
-
+decode_activations = _mode(os.environ.get("PAPERBACK_DECODE_ACTIVATIONS", "fp32"), DECODE_ACTIVATIONS,
+                           "PAPERBACK_DECODE_ACTIVATIONS")
 
 # How prefill rows (more than GEMV_MAX_ROWS) meet the weights: "fp32" (tiles dequantized to fp32, fp32 BLAS:
 # the exact reference) or "bf16" (tiles dequantized and rounded to bf16, activations rounded to bf16, a bf16
 # GEMM accumulating in fp32: what a bf16 model's matmuls do, fast where the CPU has AVX-512 BF16 or AMX).
 # PAPERBACK_PREFILL_MATMUL sets it at import; set_prefill_matmul() at run time.
 PREFILL_MATMULS = ("fp32", "bf16")
-prefill_matmul = os.environ.get("PAPERBACK_PREFILL_MATMUL", "fp32")
-if prefill_matmul not in PREFILL_MATMULS:
-    raise PaperbackError(f"PAPERBACK_PREFILL_MATMUL must be one of {', '.join(PREFILL_MATMULS)}, "
-                         f"got {prefill_matmul!r}")
+prefill_matmul = _mode(os.environ.get("PAPERBACK_PREFILL_MATMUL", "fp32"), PREFILL_MATMULS,
+                       "PAPERBACK_PREFILL_MATMUL")
 
 
 def set_decode_activations(mode: str) -> str:
     """Choose how decode rows meet the packed codes ("fp32" or "int8"); returns the previous mode."""
     global decode_activations
-    if mode not in DECODE_ACTIVATIONS:
-        raise PaperbackError(f"decode activations must be one of {', '.join(DECODE_ACTIVATIONS)}, got {mode!r}")
-    previous, decode_activations = decode_activations, mode
+    previous, decode_activations = decode_activations, _mode(mode, DECODE_ACTIVATIONS, "decode activations")
     return previous
 
 
 def set_prefill_matmul(mode: str) -> str:
     """Choose how prefill rows meet the packed weights ("fp32" or "bf16"); returns the previous mode."""
     global prefill_matmul
-    if mode not in PREFILL_MATMULS:
-        raise PaperbackError(f"prefill matmul must be one of {', '.join(PREFILL_MATMULS)}, got {mode!r}")
-    previous, prefill_matmul = prefill_matmul, mode
+    previous, prefill_matmul = prefill_matmul, _mode(mode, PREFILL_MATMULS, "prefill matmul")
     return previous
 
 
