@@ -520,7 +520,22 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* use_avx512(flag): the AVX-512 paths on (where the CPU has them) or off (the portable C, which tests run too);
+ * returns whether they were on. Call between decodes, never during one. */
+static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+#if defined(__x86_64__) && defined(__GNUC__)
+    const int previous = has_avx512;
+    has_avx512 = flag && __builtin_cpu_supports("avx512f");
+    return PyBool_FromLong(previous);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512(flag) -> whether the AVX-512 paths were on"},
     {"decode", py_decode, METH_VARARGS,
      "decode(q, out, key_source, value_source, (stage_keys, stage_values, stage_dtype), tables, stage_tables, "
      "lengths, B, H, Hkv, D, block_size, width, scaling, window, sink); a source is (kind, dtype, bits, group, "

@@ -133,7 +133,7 @@ def test_decode_kernel_equals_one_call_per_sequence(dtype, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_kernel_reads_16_bit_values_exactly(dtype):
+def test_decode_kernel_reads_16_bit_values_exactly(dtype, kernel_path):
     """With one key the output is that value row: every 16-bit value (subnormals, extremes) converts exactly."""
     from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
 
@@ -208,10 +208,23 @@ def _quantized_codecs(name):
             "fp8-e5m2 per head": FP8Codec("e5m2", torch.tensor([0.5, 2.0]).view(2, 1, 1))}[name]
 
 
+@pytest.fixture(params=[True, False], ids=["avx512", "portable"])
+def kernel_path(request):
+    """The paged kernel's AVX-512 paths where the CPU has them, then its portable C."""
+    from paperback.engine import paged_attention
+
+    kernel = paged_attention._paged_kernel
+    if kernel is None:
+        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
+    previous = kernel.use_avx512(request.param)
+    yield request.param
+    kernel.use_avx512(previous)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2", "kivi2 keys", "kivi4 keys", "kivi3 keys", "fp8-e4m3",
                                   "fp8-e5m2 per head"])
 @pytest.mark.parametrize("window, sink", [(None, 0), (70, 32)])
-def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink):
+def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink, kernel_path):
     """Encoded blocks are decoded inside the kernel's loop exactly as the codec decodes them; blocks a staging table
     names are read exact from staging instead; a window with sinks sees both spans."""
     from paperback.engine.paged_attention import ExactStaging, codec_source, decode_kernel_available, \
