@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
 from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
-from paperback.allocate.candidates import DEFAULT_CANDIDATES, second_pass_candidates, within_additivity  # noqa: E402
+from paperback.allocate.candidates import (DEFAULT_CANDIDATES, EVEN_MARGIN, second_pass_candidates,  # noqa: E402
+                                           within_additivity)
 from paperback.allocate.second_pass import ShippedCandidate, ShippedSecondPass  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import evaluate, load_text  # noqa: E402
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
                         help="solutions by head scheme the second pass measures on the profiled part of the text "
                              f"(default {DEFAULT_CANDIDATES}; 1: the solve's own choice)")
+    parser.add_argument("--even-margin", type=float, default=EVEN_MARGIN,
+                        help=f"how much lower a mix's measured KL must be than even bits' to be kept (default "
+                             f"{EVEN_MARGIN})")
     parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells at the chosen budgets")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
     args = parser.parse_args()
@@ -123,7 +127,7 @@ def main() -> None:
     units, shapes = allocator.units, param_shapes(allocator.units)
     candidates = list(allocator.schemes.values())
     second_passes = {name: ShippedSecondPass(full.model, full.tokenizer, load_text(args.text),
-                                             ProfileConfig.from_dict(p["config"]))
+                                             ProfileConfig.from_dict(p["config"]), even_margin=args.even_margin)
                      for name, p in profiles.items()}
     calibration = calibration_batch(full.tokenizer, CalibrationConfig(args.text, args.calib_samples, 512, span=0.5))
     texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
@@ -168,6 +172,7 @@ def main() -> None:
                     "predicted_kl": predicted_kl(profiles.get(name, profile), units, policy),
                     "quantize_seconds": seconds,
                     "second_pass": second_pass,
+                    "even_margin": args.even_margin if second_pass else None,
                     "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
             for data, tokens in texts.items():
                 r = evaluate(model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
-from paperback.allocate.candidates import DEFAULT_CANDIDATES, within_additivity
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, EVEN_MARGIN, within_additivity
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
 from paperback.allocate.second_pass import ShippedSecondPass
 from paperback.allocate.units import BLOCK_UNITS, retention_label
@@ -44,6 +44,8 @@ class FitConfig:
     # Solutions by head scheme the second pass quantizes and measures whole on the profiled text, besides the
     # even-bits one (allocate.second_pass); 1: the solve alone, not measured.
     candidates: int = DEFAULT_CANDIDATES
+    # How much lower (a fraction) a mix's measured KL must be than even bits' for the mix to be written.
+    even_margin: float = EVEN_MARGIN
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}
@@ -142,7 +144,8 @@ class Fit:
                                   progress=self.progress)
 
         second = ShippedSecondPass(self.lm.model, self.lm.tokenizer, self.text,
-                                   ProfileConfig.from_dict(self.profile["config"]), self.progress)
+                                   ProfileConfig.from_dict(self.profile["config"]), self.progress,
+                                   cfg.even_margin)
         best = second.choose(plausible, quantize, lambda c: build_policy(
             self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
         allocation = allocator.allocation_of(best.candidate)

@@ -11,8 +11,10 @@ mix's predicted gain over even bits. So the allocator solves once per
 scheme of the head and once with every weight unit held at one scheme
 (allocate.candidates), and a second pass measures each candidate whole on
 the part of the text the profile read, every unit and the KV cache in the
-candidate's formats at once, and keeps the least KL. The evaluation text
-is never read.
+candidate's formats at once, and keeps the least KL, except that even bits
+stay unless a mix beats them there by a margin (candidates.EVEN_MARGIN: a
+mix was chosen on that text, even bits were not). The evaluation text is
+never read.
 
 Two ways to measure:
 - `ShippedSecondPass` (what `fit` and bench_allocation use): each candidate
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from paperback.allocate.candidates import Candidate
+from paperback.allocate.candidates import EVEN_MARGIN, Candidate, kept_candidate
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, ProfileText, split_text
 from paperback.allocate.quantized_units import EffectiveWeight, effective_key, quantized_blocks, unit_weights
@@ -62,6 +64,7 @@ class SecondPass:
     config: ProfileConfig
     units: list[WeightUnit]
     progress: bool = True
+    even_margin: float = EVEN_MARGIN
     _effective: dict[tuple[str, str], dict[str, EffectiveWeight]] = field(default_factory=dict)
     _probe: ReferenceProbe | None = None
 
@@ -78,8 +81,8 @@ class SecondPass:
         return self._split
 
     def choose(self, candidates: list[Candidate], kv_policy=None) -> Candidate:
-        """The candidate with the least measured KL (each one's `measured` filled in). `kv_policy`: a
-        function from a candidate to its KVPolicy, or None for an exact cache."""
+        """The kept candidate (`kept_candidate`; each one's `measured` filled in). `kv_policy`: a function
+        from a candidate to its KVPolicy, or None for an exact cache."""
         if len(candidates) == 1:
             return candidates[0]
         self._quantize(candidates)
@@ -90,7 +93,7 @@ class SecondPass:
             policy: KVPolicy | None = kv_policy(c) if kv_policy is not None else None
             with swapped_weights(self.model, self._weights(c)):
                 c.measured = self._probe.kl_full(policy)
-        return min(candidates, key=lambda c: c.measured)
+        return kept_candidate(candidates, self.even_margin)
 
     def _quantize(self, candidates: list[Candidate]) -> None:
         """Effective weights for every (block, scheme) and head scheme some candidate uses, as the profile
@@ -148,19 +151,20 @@ class ShippedSecondPass:
     text: str
     config: ProfileConfig
     progress: bool = True
+    even_margin: float = EVEN_MARGIN
     _probe: ReferenceProbe | None = None  # the full model's reference, made once for every budget asked
 
     def choose(self, candidates: list[Candidate], quantize: Quantize,
                kv_policy: Callable[[Candidate], KVPolicy | None] | None = None) -> ShippedCandidate:
-        """The candidate with the least measured KL, quantized (each one's `measured` filled in; with one
-        candidate, it is quantized and not measured). Two models are held at a time: the best so far and
-        the one being measured."""
+        """The kept candidate (`kept_candidate`), quantized (each one's `measured` filled in; with one
+        candidate, it is quantized and not measured). At most three models are held at a time: the even-bits
+        one, the best mix so far and the one being measured."""
         if len(candidates) == 1:
             return self._quantized(candidates[0], quantize)
         if self._probe is None:
             self._probe = ReferenceProbe(self.model, profiled_split(self.model, self.tokenizer, self.text,
                                                                     self.config).head_windows, self.config.kv_chunk)
-        best: ShippedCandidate | None = None
+        kept: dict[bool, ShippedCandidate] = {}  # even or not: the least KL of each
         for c in tqdm(candidates, desc="second pass", unit="candidate", disable=None if self.progress else True,
                       leave=False):
             shipped = self._quantized(c, quantize)
@@ -168,9 +172,10 @@ class ShippedSecondPass:
             # The quantized copy's every parameter (AWQ also changed norms) swapped into the probe's model.
             with swapped_weights(self.model, {n: p.data for n, p in shipped.model.named_parameters()}):
                 c.measured = self._probe.kl_full(policy)
-            if best is None or c.measured < best.candidate.measured:
-                best = shipped
-        return best
+            if c.even not in kept or c.measured < kept[c.even].candidate.measured:
+                kept[c.even] = shipped
+        chosen = kept_candidate([k.candidate for k in kept.values()], self.even_margin)
+        return kept[chosen.even]
 
     def _quantized(self, candidate: Candidate, quantize: Quantize) -> ShippedCandidate:
         model = copy.deepcopy(self.model)

@@ -8,7 +8,10 @@ embedding, residual adds, the MLP activation, Python between calls), and
 what lies outside the forward (sampling, the loop). Each region counts its
 own time less the regions inside it, so the parts add up to the wall time of
 the steps; the timers' own cost lands in "model, other" and is small against
-milliseconds per step.
+milliseconds per step. Where the decoder layers run as one C call
+(generation.fused_decode: packed models over a dense cache), that call is one
+part, "decoder layers (fused)", and the parts inside it read zero;
+PAPERBACK_FUSED_DECODE=0 shows the module path's breakdown instead.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-PARTS = ("linears", "output head", "attention", "rope", "norms", "kv cache writes", "model, other",
-         "sampling and loop")
+PARTS = ("decoder layers (fused)", "linears", "output head", "attention", "rope", "norms", "kv cache writes",
+         "model, other", "sampling and loop")
 
 
 class StepTimers:
@@ -63,12 +66,13 @@ def _is_linear(module: nn.Module) -> bool:
 def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
     """Milliseconds per decode step by part (PARTS), for a greedy decode of `new_tokens` after `prompt_ids`."""
     from paperback.generation import SamplingParams, generate_tokens
+    from paperback.generation.fused_decode import FusedDecoder
     from paperback.models import blocks
     from paperback.models.layers import RMSNorm
 
     timers = StepTimers()
     patched = [(blocks, "run_linears", "linears"), (blocks, "attend", "attention"), (blocks, "apply_rope", "rope"),
-               (blocks.Attention, "_store", "kv cache writes")]
+               (blocks.Attention, "_store", "kv cache writes"), (FusedDecoder, "step", "decoder layers (fused)")]
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
     hooks = []
     for module in model.modules():

@@ -15,7 +15,7 @@ from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
-    from paperback.allocate.candidates import DEFAULT_CANDIDATES
+    from paperback.allocate.candidates import DEFAULT_CANDIDATES, EVEN_MARGIN
     from paperback.allocate.units import DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES
 
     p = sub.add_parser("fit", help="fit a model into a memory budget: profile, allocate bits, quantize, evaluate",
@@ -61,6 +61,9 @@ def register(sub) -> None:
                    help="solutions by scheme of the output head that the second pass quantizes and measures whole "
                         "on the profiled text, besides the even-bits one; the least KL is written (default "
                         f"{DEFAULT_CANDIDATES}; 1: the solve's own, not measured)")
+    p.add_argument("--even-margin", type=float, default=EVEN_MARGIN,
+                   help="how much lower (a fraction) a mix's measured KL must be than even bits' to be written "
+                        f"instead: the profiled text flatters the mix chosen on it (default {EVEN_MARGIN})")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
@@ -109,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     from paperback.evaluation.datasets import load_text
     from paperback.loading import load_model
 
+    from paperback.errors import PaperbackError
+
+    if not 0 <= args.even_margin < 1:
+        raise PaperbackError(f"bad --even-margin {args.even_margin} (a fraction in [0, 1))")
     workload = Workload(parse_bytes(args.memory), args.context, args.users)
     profile = ProfileConfig(args.method, split_list(args.weight_schemes), split_list(args.kv_formats),
                             window_tokens=args.window_tokens, weight_tokens=args.weight_tokens,
@@ -118,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
                        () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,
                        evict=args.evict, retrieval_kl=_retrieval_kl(args.retrieval_kl, args.evict),
-                       candidates=args.candidates)
+                       candidates=args.candidates, even_margin=args.even_margin)
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)

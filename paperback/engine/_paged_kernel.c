@@ -35,6 +35,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_paged_kernel.h"
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -471,6 +473,49 @@ static int parse_source(PyObject *tuple, kv_source *src, int64_t dim, int64_t bl
     return 0;
 }
 
+/* Every sequence's new query over its blocks, one task per (sequence, KV head); 0, or -1 out of memory. */
+static int decode_batch(const float *q, float *out, const kv_source *keys, const kv_source *values,
+                        const kv_stage *stage, const int64_t *tables, const int64_t *stage_tables,
+                        const int64_t *lengths, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t block_size, int64_t width, float scaling, int64_t window, int64_t sink) {
+    int64_t group = heads / kv_heads, tasks = batch * kv_heads;
+    int64_t scratch_floats = scratch_size(group, dim, block_size);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t t = 0; t < tasks; t++) {
+                int64_t b = t / kv_heads, h = t % kv_heads;
+                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, keys, values,
+                           stage, tables + b * width, stage_tables ? stage_tables + b * width : NULL, lengths[b],
+                           h, kv_heads, group, dim, block_size, scaling, window, sink, scratch);
+            }
+            free(scratch);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* A dense cache as one block per row (PagedKernelAPI.dense_decode). */
+#define DENSE_MAX_BATCH 64
+static int dense_decode(const float *q, float *out, const float *keys, const float *values, int64_t batch,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t slots, int64_t length, float scaling,
+                        int64_t window) {
+    if (batch > DENSE_MAX_BATCH) return -1;
+    int64_t tables[DENSE_MAX_BATCH], lengths[DENSE_MAX_BATCH];
+    for (int64_t b = 0; b < batch; b++) tables[b] = b, lengths[b] = length;
+    const kv_source k = {SRC_NATIVE, DT_FP32, 0, 0, keys, NULL, NULL, NULL, 0};
+    const kv_source v = {SRC_NATIVE, DT_FP32, 0, 0, values, NULL, NULL, NULL, 0};
+    const kv_stage stage = {NULL, NULL, DT_FP32};
+    return decode_batch(q, out, &k, &v, &stage, tables, NULL, lengths, batch, heads, kv_heads, dim, slots, 1,
+                        scaling, window, 0);
+}
+
 static PyObject *py_decode(PyObject *self, PyObject *args) {
     unsigned long long q_ptr, out_ptr, tables_ptr, stage_tables_ptr, lengths_ptr, stage_keys, stage_values;
     long long batch, heads, kv_heads, dim, block_size, width, window, sink;
@@ -490,31 +535,12 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     if (parse_source(key_tuple, &keys, dim, block_size) || parse_source(value_tuple, &values, dim, block_size))
         return NULL;
     const kv_stage stage = {(const void *)(uintptr_t)stage_keys, (const void *)(uintptr_t)stage_values, stage_dtype};
-    const float *q = (const float *)(uintptr_t)q_ptr;
-    float *out = (float *)(uintptr_t)out_ptr;
-    const int64_t *tables = (const int64_t *)(uintptr_t)tables_ptr, *lengths = (const int64_t *)(uintptr_t)lengths_ptr,
-                  *stage_tables = (const int64_t *)(uintptr_t)stage_tables_ptr;
-    int64_t group = heads / kv_heads, tasks = batch * kv_heads;
-    int64_t scratch_floats = scratch_size(group, dim, block_size);
-    int failed = 0;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel
-    {
-        float *scratch = malloc(sizeof(float) * scratch_floats);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-#pragma omp for schedule(dynamic)
-            for (int64_t t = 0; t < tasks; t++) {
-                int64_t b = t / kv_heads, h = t % kv_heads;
-                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, &keys, &values,
-                           &stage, tables + b * width, stage_tables ? stage_tables + b * width : NULL, lengths[b],
-                           h, kv_heads, group, dim, block_size, scaling, window, sink, scratch);
-            }
-            free(scratch);
-        }
-    }
+    failed = decode_batch((const float *)(uintptr_t)q_ptr, (float *)(uintptr_t)out_ptr, &keys, &values, &stage,
+                          (const int64_t *)(uintptr_t)tables_ptr, (const int64_t *)(uintptr_t)stage_tables_ptr,
+                          (const int64_t *)(uintptr_t)lengths_ptr, batch, heads, kv_heads, dim, block_size, width,
+                          scaling, window, sink);
     Py_END_ALLOW_THREADS
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -551,5 +577,14 @@ PyMODINIT_FUNC PyInit__paged_kernel(void) {
     has_avx512 = __builtin_cpu_supports("avx512f"); /* decided once, before any threads */
 #endif
     fill_fp8_tables();
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (!mod) return NULL;
+    static const PagedKernelAPI c_api = {dense_decode}; /* for other extensions: _paged_kernel.h */
+    PyObject *capsule = PyCapsule_New((void *)&c_api, PAGED_KERNEL_CAPSULE, NULL);
+    if (!capsule || PyModule_AddObject(mod, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

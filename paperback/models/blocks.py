@@ -155,6 +155,14 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) at positions start_pos.. (or `positions` (T,), one per token) -> normed hidden (B, T, C)."""
+        if positions is None and kv_cache is not None:
+            from paperback.generation.fused_decode import plan_for  # here: generation imports the models
+
+            # Decode steps run every layer in one C call where the model and cache qualify; the plan is made
+            # on the first call over a cache (the prefill, as generate runs), so no decode step pays for it.
+            fused = plan_for(self, kv_cache)
+            if fused is not None and input_ids.shape[1] == 1:
+                return self.model.norm(fused.step(input_ids, start_pos))
         x = self.embed(input_ids)
         if positions is None:
             positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)

@@ -1,12 +1,6 @@
 /* Packed integer weight kernels for QuantLinear on CPU.
  *
- * Layout (see qlinear.py): for an N x K weight in groups of `group_size`
- * input features (G = ceil(K / group_size) groups per row)
- *   qweight  uint8 (N, ceil(K * bits / 8))  codes packed LSB first along K
- *   scales   fp16  (N, G)
- *   qzeros   uint8 (N, ceil(G * bits / 8))  packed the same way; NULL means
- *                                           symmetric, zero = 2^(bits - 1)
- * and w[n, k] = (code - zero[g]) * scale[g].
+ * Layout: _qkernel.h (QMatrix), as qlinear.py packs it.
  *
  * gemm_many() computes y = x W^T (+ bias) for a few rows of x straight from the
  * packed bytes: each thread unpacks one weight row at a time into a small
@@ -24,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_qkernel.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -33,14 +29,6 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
-typedef struct {
-    const uint8_t *qweight;
-    const uint16_t *scales;
-    const uint8_t *qzeros; /* NULL: symmetric */
-    const float *bias;     /* NULL: none */
-    int64_t n, k, groups, group_size, row_bytes, zero_row_bytes;
-    int bits;
-} QMatrix;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -987,20 +975,24 @@ static int dequantize(const QMatrix *m, float *out, int threads) {
 
 /* ---- Python bindings: raw pointers from torch tensors (checked in Python) ---- */
 
-static int parse_matrix(QMatrix *m, Py_ssize_t qweight, Py_ssize_t scales, Py_ssize_t qzeros, Py_ssize_t bias,
-                        Py_ssize_t n, Py_ssize_t k, Py_ssize_t bits, Py_ssize_t group_size) {
-    if (n < 1 || k < 1 || group_size < 1 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8)) {
-        PyErr_SetString(PyExc_ValueError, "invalid quantized matrix shape or bits");
-        return -1;
-    }
-    m->qweight = (const uint8_t *)qweight;
-    m->scales = (const uint16_t *)scales;
-    m->qzeros = (const uint8_t *)qzeros;
-    m->bias = (const float *)bias;
-    m->n = n, m->k = k, m->bits = (int)bits, m->group_size = group_size;
+static int init_matrix(QMatrix *m, const uint8_t *qweight, const uint16_t *scales, const uint8_t *qzeros,
+                       const float *bias, int64_t n, int64_t k, int bits, int64_t group_size) {
+    if (n < 1 || k < 1 || group_size < 1 || !(bits == 2 || bits == 3 || bits == 4 || bits == 8)) return -1;
+    m->qweight = qweight, m->scales = scales, m->qzeros = qzeros, m->bias = bias;
+    m->n = n, m->k = k, m->bits = bits, m->group_size = group_size;
     m->groups = ceil_div(k, group_size);
     m->row_bytes = ceil_div(k * bits, 8);
     m->zero_row_bytes = ceil_div(m->groups * bits, 8);
+    return 0;
+}
+
+static int parse_matrix(QMatrix *m, Py_ssize_t qweight, Py_ssize_t scales, Py_ssize_t qzeros, Py_ssize_t bias,
+                        Py_ssize_t n, Py_ssize_t k, Py_ssize_t bits, Py_ssize_t group_size) {
+    if (init_matrix(m, (const uint8_t *)qweight, (const uint16_t *)scales, (const uint8_t *)qzeros,
+                    (const float *)bias, n, k, (int)bits, group_size) < 0) {
+        PyErr_SetString(PyExc_ValueError, "invalid quantized matrix shape or bits");
+        return -1;
+    }
     return 0;
 }
 
@@ -1090,7 +1082,18 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qkernel", "Packed integer weight kernels.", -1, methods};
 
+static const QKernelAPI c_api = {gemm_many, init_matrix};
+
 PyMODINIT_FUNC PyInit__qkernel(void) {
     simd_level = best_level();
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (!mod) return NULL;
+    /* The C entry points for other extensions (_qkernel.h); the capsule points at a static table. */
+    PyObject *capsule = PyCapsule_New((void *)&c_api, QKERNEL_CAPSULE, NULL);
+    if (!capsule || PyModule_AddObject(mod, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

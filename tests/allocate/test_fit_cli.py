@@ -141,6 +141,14 @@ def test_fit_refuses_a_bad_retrieval_bound_before_work(tiny_dir, tmp_path, capsy
     assert code == 2 and "--retrieval-kl" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("margin", ["1.5", "-0.1"])
+def test_fit_refuses_a_bad_even_margin_before_work(tiny_dir, tmp_path, capsys, margin):
+    code = main(["fit", str(tiny_dir), "-o", str(tmp_path / "x"), "--memory", "1GiB", "--context", "256",
+                 "--even-margin", margin])
+    assert code == 2 and "--even-margin" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_fit_with_a_profile_of_other_text_is_refused(tiny_dir, tmp_path, cache, capsys):
     profile = tmp_path / "profile.json"
     assert main(["profile", str(tiny_dir), "-o", str(profile), "--cache-dir", str(cache), *SMALL]) == 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from paperback.allocate.allocation import Allocator, Workload
-from paperback.allocate.candidates import even_weight_candidate, head_candidates, second_pass_candidates
+from paperback.allocate.candidates import (Candidate, even_weight_candidate, head_candidates, kept_candidate,
+                                           second_pass_candidates)
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.profile import ProfileConfig, Profiler, split_text
 from paperback.allocate.second_pass import SecondPass, ShippedSecondPass
@@ -20,6 +21,22 @@ from test_profile import sample_text
 CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W4a-g64", "W2a-g64"), kv_formats=("fp16", "kivi2:r=32"),
                        windows=1, window_tokens=128, weight_tokens=64, calib_samples=1, additivity_samples=0,
                        head_tokens=256)
+
+
+def test_even_bits_are_kept_unless_a_mix_beats_them_by_the_margin():
+    def measured(name, kl, even=False):
+        return Candidate(name, {}, predicted=0.0, measured=kl, even=even)
+
+    even = measured("even W4a-g64", 1.00, even=True)
+    close, clear = measured("head W4a-g128", 0.95), measured("head W4a-g64", 0.85)
+    assert kept_candidate([close, even], margin=0.10) is even  # 5% lower: within the margin
+    assert kept_candidate([close, even, clear], margin=0.10) is clear  # 15% lower: kept
+    assert kept_candidate([close, even], margin=0.0) is close  # no margin: the least KL
+    worse = measured("head W3a-g64", 1.20)
+    assert kept_candidate([worse, even], margin=0.10) is even
+    assert kept_candidate([close, worse], margin=0.10) is close  # no even-bits candidate: the least KL
+    with pytest.raises(ValueError, match="margin"):
+        kept_candidate([close, even], margin=1.0)
 
 
 def brute_force(groups, capacity):
@@ -122,7 +139,7 @@ def test_the_shipped_pass_measures_each_candidate_as_quantized_and_keeps_that_mo
     best = second.choose(candidates, quantize)
     assert all(torch.equal(p, before[n]) for n, p in tiny_lm.model.named_parameters())  # the full model unchanged
     assert len(quantized_copies) == 3 and best.model is quantized_copies[candidates.index(best.candidate)]
-    assert best.candidate.measured == min(c.measured for c in candidates)
+    assert best.candidate is kept_candidate(candidates)
     # What was measured is the kept model itself, whole, on the profile's head windows, against the full model.
     windows = split_text(char_tokenizer.encode(sample_text()), CONFIG).head_windows
     probe = ReferenceProbe(tiny_lm.model, windows, CONFIG.kv_chunk)

@@ -90,6 +90,7 @@ def test_step_profile_parts_add_up_and_everything_is_put_back(tmp_path):
     from helpers import tiny_llama_hf, write_llama_gguf
 
     from paperback.bench.step_profile import PARTS, profile_decode
+    from paperback.generation.fused_decode import FusedDecoder, fused_decode
     from paperback.loading import load_model
     from paperback.models import blocks
     from paperback.quantization import QuantScheme
@@ -99,15 +100,22 @@ def test_step_profile_parts_add_up_and_everything_is_put_back(tmp_path):
     lm = load_model(str(write_llama_gguf(tiny_llama_hf(num_hidden_layers=2), tmp_path / "t.gguf")),
                     with_tokenizer=False)
     swap_in_quantized(lm.model, quantize_model(lm.model, QuantizeConfig("rtn", QuantScheme(4, 32)), progress=False))
-    originals = (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store)
+    originals = (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store, FusedDecoder.step)
     ids = torch.randint(0, 200, (1, 12))
     with torch.inference_mode():
         before = lm.model(ids)
-    report = profile_decode(lm.model, ids, 6)
+    with fused_decode(False):  # module by module: each part timed
+        report = profile_decode(lm.model, ids, 6)
     assert report["steps"] == 5 and list(report["parts_ms"]) == list(PARTS)
     assert sum(report["parts_ms"].values()) == pytest.approx(report["ms_per_step"], rel=1e-6)
     assert report["parts_ms"]["linears"] > 0 and report["parts_ms"]["attention"] > 0
-    assert (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store) == originals
+    assert report["parts_ms"]["decoder layers (fused)"] == 0
+    fused = profile_decode(lm.model, ids, 6)  # the layers as one C call: one part
+    assert sum(fused["parts_ms"].values()) == pytest.approx(fused["ms_per_step"], rel=1e-6)
+    assert fused["parts_ms"]["decoder layers (fused)"] > 0 and fused["parts_ms"]["output head"] > 0
+    assert fused["parts_ms"]["attention"] == fused["parts_ms"]["rope"] == 0  # inside the C call
+    assert (blocks.run_linears, blocks.attend, blocks.apply_rope, blocks.Attention._store,
+            FusedDecoder.step) == originals
     assert "forward" not in vars(lm.model) and "logits" not in vars(lm.model)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in lm.model.modules())
     with torch.inference_mode():

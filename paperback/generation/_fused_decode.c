@@ -1,0 +1,312 @@
+/* A decode step through every decoder layer in one call, for models whose linears are all packed.
+ *
+ * PyTorch pays a few microseconds per op, and a decode step of a small model
+ * is some 30 ops a layer: on SmolLM2 (30 layers) that was 4 ms of a 14 ms
+ * step, a third of the time, outside the matmuls (docs/weights.md). Here a
+ * step is one call: for each layer the norm, q/k/v through _qkernel's
+ * gemm_many, q/k norms, RoPE, the new key and value written into the dense
+ * cache, attention through _paged_kernel's dense decode, o, the residual, the
+ * second norm, gate/up, the activation, down and the residual again (Gemma's
+ * sandwich norms where the model has them). Both kernels come through their
+ * capsules (_qkernel.h, _paged_kernel.h), so the arithmetic of the linears
+ * and of attention is the module path's own; norms, RoPE and activations are
+ * the same formulas in fp32 (not bit-identical: reductions sum in another
+ * order). generation/fused_decode.py decides when a model and cache qualify
+ * and builds the plan.
+ *
+ * Every row of x is one sequence of the cache (row b of a (B, Hkv, slots, D)
+ * buffer), all at one position, as generate() decodes them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../engine/_paged_kernel.h"
+#include "../quantization/_qkernel.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDEST __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define WIDEST
+#endif
+
+static const QKernelAPI *qkernel;
+static const PagedKernelAPI *paged;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+enum { Q, K, V, O, GATE, UP, DOWN, LINEARS };
+enum { NORM_ATTN_IN, NORM_ATTN_OUT, NORM_MLP_IN, NORM_MLP_OUT, NORM_Q, NORM_K, NORMS };
+
+typedef struct {
+    const float *norms[NORMS]; /* NULL: absent (Llama has no post norms and no q/k norms) */
+    QMatrix linears[LINEARS];
+    float *keys, *values;      /* the layer's cache, (batch, kv_heads, slots, dim) fp32 */
+    float scaling;
+    int64_t window;            /* 0: attends to every cached position */
+    int rope;                  /* which of the step's two RoPE tables (Gemma: local, global) */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, dim, inter, batch, slots, count;
+    float eps;
+    int unit_offset, act;
+    Layer *layers;
+    float *scratch; /* h, q, k, v, attn, o (hidden), gate, up: sized for `batch` rows */
+} Plan;
+
+static void plan_free(PyObject *capsule) {
+    Plan *p = PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan");
+    if (p) {
+        free(p->layers), free(p->scratch), free(p);
+    }
+}
+
+/* ---- elementwise parts: small, one thread, written so gcc vectorizes them at the clone's width ---- */
+
+/* out = x / rms(x) * w (or * (1 + w), Gemma), per row of n. */
+WIDEST static void rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps,
+                            int unit_offset) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        if (unit_offset)
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * inv * (1.0f + w[i]);
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* x (count rows of dim) rotated: x * cos + roll(x, dim / 2) * signed_sin, as apply_rope. */
+WIDEST static void rope(float *x, int64_t count, int64_t dim, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    float rolled[512];
+    for (int64_t r = 0; r < count; r++) {
+        float *xr = x + r * dim;
+        for (int64_t i = 0; i < half; i++) rolled[i] = xr[i + half], rolled[i + half] = xr[i];
+        for (int64_t i = 0; i < dim; i++) xr[i] = xr[i] * cos[i] + rolled[i] * sin[i];
+    }
+}
+
+/* e^x for x <= 0 (and a little above), to about 2 ulp: 2^n times a degree-6 polynomial of the remainder. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* gate = act(gate) * up, elementwise. */
+WIDEST static void gated_act(float *gate, const float *up, int64_t n, int act) {
+    if (act == ACT_SILU) {
+        for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+    } else { /* 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (e^{2y} + 1) */
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gate[i], y = 0.7978845608f * (g + 0.044715f * g * g * g);
+            const float t = 1.0f - 2.0f / (exp_approx(2.0f * y) + 1.0f);
+            gate[i] = 0.5f * g * (1.0f + t) * up[i];
+        }
+    }
+}
+
+WIDEST static void add_into(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* ys[i] = x W_i^T for several matrices reading x: one gemm_many call when they share bits and groups. */
+static int linears(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads,
+                   int int8) {
+    int shared = 1;
+    for (int i = 1; i < count; i++)
+        shared &= ms[i].bits == ms[0].bits && ms[i].group_size == ms[0].group_size;
+    if (shared) return qkernel->gemm_many(ms, count, x, rows, ys, threads, int8);
+    for (int i = 0; i < count; i++)
+        if (qkernel->gemm_many(ms + i, 1, x, rows, ys + i, threads, int8) < 0) return -1;
+    return 0;
+}
+
+/* Every layer for x (batch, hidden) at position pos; x is updated in place (the residual stream). */
+static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, const float *const *sin, int threads,
+                int int8) {
+    const int64_t rows = p->batch, c = p->hidden, d = p->dim, hq = p->heads, hkv = p->kv_heads;
+    float *h = p->scratch, *q = h + rows * c, *k = q + rows * hq * d, *v = k + rows * hkv * d,
+          *attn = v + rows * hkv * d, *o = attn + rows * hq * d, *gate = o + rows * c, *up = gate + rows * p->inter;
+    for (int64_t li = 0; li < p->count; li++) {
+        const Layer *L = &p->layers[li];
+        rms_norm(x, L->norms[NORM_ATTN_IN], h, rows, c, p->eps, p->unit_offset);
+        float *qkv[3] = {q, k, v};
+        if (linears(&L->linears[Q], 3, h, rows, qkv, threads, int8) < 0) return -1;
+        if (L->norms[NORM_Q]) {
+            rms_norm(q, L->norms[NORM_Q], q, rows * hq, d, p->eps, p->unit_offset);
+            rms_norm(k, L->norms[NORM_K], k, rows * hkv, d, p->eps, p->unit_offset);
+        }
+        rope(q, rows * hq, d, cos[L->rope], sin[L->rope]);
+        rope(k, rows * hkv, d, cos[L->rope], sin[L->rope]);
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t j = 0; j < hkv; j++) {
+                const int64_t at = ((b * hkv + j) * p->slots + pos) * d;
+                memcpy(L->keys + at, k + (b * hkv + j) * d, sizeof(float) * d);
+                memcpy(L->values + at, v + (b * hkv + j) * d, sizeof(float) * d);
+            }
+        if (paged->dense_decode(q, attn, L->keys, L->values, rows, hq, hkv, d, p->slots, pos + 1, L->scaling,
+                                L->window) < 0)
+            return -1;
+        float *out[2] = {o, NULL};
+        if (linears(&L->linears[O], 1, attn, rows, out, threads, int8) < 0) return -1;
+        if (L->norms[NORM_ATTN_OUT]) rms_norm(o, L->norms[NORM_ATTN_OUT], o, rows, c, p->eps, p->unit_offset);
+        add_into(x, o, rows * c);
+        rms_norm(x, L->norms[NORM_MLP_IN], h, rows, c, p->eps, p->unit_offset);
+        float *gu[2] = {gate, up};
+        if (linears(&L->linears[GATE], 2, h, rows, gu, threads, int8) < 0) return -1;
+        gated_act(gate, up, rows * p->inter, p->act);
+        if (linears(&L->linears[DOWN], 1, gate, rows, out, threads, int8) < 0) return -1;
+        if (L->norms[NORM_MLP_OUT]) rms_norm(o, L->norms[NORM_MLP_OUT], o, rows, c, p->eps, p->unit_offset);
+        add_into(x, o, rows * c);
+    }
+    return 0;
+}
+
+/* ---- Python bindings: pointers as integers, checked in fused_decode.py ---- */
+
+static int parse_layer(PyObject *tuple, Layer *L, const Plan *p) {
+    PyObject *norms, *mats;
+    unsigned long long keys, values;
+    long long window;
+    if (!PyArg_ParseTuple(tuple, "OOKKfLi", &norms, &mats, &keys, &values, &L->scaling, &window, &L->rope))
+        return -1;
+    unsigned long long n[NORMS];
+    if (!PyArg_ParseTuple(norms, "KKKKKK", &n[0], &n[1], &n[2], &n[3], &n[4], &n[5])) return -1;
+    for (int i = 0; i < NORMS; i++) L->norms[i] = (const float *)(uintptr_t)n[i];
+    if (!PyTuple_Check(mats) || PyTuple_GET_SIZE(mats) != LINEARS) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: a layer has 7 linears (q k v o gate up down)");
+        return -1;
+    }
+    for (int i = 0; i < LINEARS; i++) {
+        unsigned long long qweight, scales, qzeros, bias;
+        long long rows, cols, group;
+        int bits;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(mats, i), "KKKKLLiL", &qweight, &scales, &qzeros, &bias, &rows, &cols,
+                              &bits, &group))
+            return -1;
+        if (!qweight || !scales ||
+            qkernel->init_matrix(&L->linears[i], (const uint8_t *)(uintptr_t)qweight, (const uint16_t *)(uintptr_t)scales,
+                                 (const uint8_t *)(uintptr_t)qzeros, (const float *)(uintptr_t)bias, rows, cols, bits,
+                                 group) < 0) {
+            PyErr_SetString(PyExc_ValueError, "fused decode: invalid packed matrix");
+            return -1;
+        }
+    }
+    const int64_t c = p->hidden, qd = p->heads * p->dim, kvd = p->kv_heads * p->dim;
+    const int64_t shapes[LINEARS][2] = {{qd, c}, {kvd, c}, {kvd, c}, {c, qd}, {p->inter, c}, {p->inter, c},
+                                        {c, p->inter}};
+    for (int i = 0; i < LINEARS; i++)
+        if (L->linears[i].n != shapes[i][0] || L->linears[i].k != shapes[i][1]) {
+            PyErr_SetString(PyExc_ValueError, "fused decode: a linear's shape does not match the model");
+            return -1;
+        }
+    if (!L->norms[NORM_ATTN_IN] || !L->norms[NORM_MLP_IN] || !L->norms[NORM_Q] != !L->norms[NORM_K] ||
+        !L->norms[NORM_ATTN_OUT] != !L->norms[NORM_MLP_OUT] || !keys || !values || window < 0 || L->rope < 0 ||
+        L->rope > 1) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: bad norms, cache or window");
+        return -1;
+    }
+    L->keys = (float *)(uintptr_t)keys, L->values = (float *)(uintptr_t)values, L->window = window;
+    return 0;
+}
+
+/* plan((hidden, heads, kv_heads, dim, inter, batch, slots, eps, unit_offset, act), [layer, ...]) -> capsule,
+ * a layer being ((6 norm pointers), (7 matrices), keys, values, scaling, window, rope) and a matrix
+ * (qweight, scales, qzeros, bias, n, k, bits, group_size). */
+static PyObject *py_plan(PyObject *self, PyObject *args) {
+    PyObject *model, *layers;
+    Plan head = {0};
+    if (!PyArg_ParseTuple(args, "OO", &model, &layers) ||
+        !PyArg_ParseTuple(model, "LLLLLLLfii", &head.hidden, &head.heads, &head.kv_heads, &head.dim, &head.inter,
+                          &head.batch, &head.slots, &head.eps, &head.unit_offset, &head.act))
+        return NULL;
+    if (head.hidden < 1 || head.kv_heads < 1 || head.heads % head.kv_heads || head.dim < 2 || head.dim % 2 ||
+        head.dim > 512 || head.inter < 1 || head.batch < 1 || head.batch > 64 || head.slots < 1 ||
+        (head.act != ACT_SILU && head.act != ACT_GELU_TANH)) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: bad model shape");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(layers, "fused decode: layers must be a sequence");
+    if (!seq) return NULL;
+    head.count = PySequence_Fast_GET_SIZE(seq);
+    Plan *p = malloc(sizeof(Plan));
+    if (p) *p = head;
+    const int64_t rows = head.batch;
+    const int64_t floats = rows * (2 * head.hidden + 2 * head.heads * head.dim + 2 * head.kv_heads * head.dim +
+                                   2 * head.inter);
+    if (p) {
+        p->layers = calloc(head.count ? head.count : 1, sizeof(Layer));
+        p->scratch = malloc(sizeof(float) * floats);
+    }
+    if (!p || !p->layers || !p->scratch) {
+        Py_DECREF(seq);
+        if (p) free(p->layers), free(p->scratch);
+        free(p);
+        return PyErr_NoMemory();
+    }
+    for (int64_t i = 0; i < head.count; i++)
+        if (parse_layer(PySequence_Fast_GET_ITEM(seq, i), &p->layers[i], p) < 0) {
+            Py_DECREF(seq);
+            free(p->layers), free(p->scratch), free(p);
+            return NULL;
+        }
+    Py_DECREF(seq);
+    PyObject *capsule = PyCapsule_New(p, "paperback.fused_decode.Plan", plan_free);
+    if (!capsule) free(p->layers), free(p->scratch), free(p);
+    return capsule;
+}
+
+/* step(plan, x, pos, (cos0, cos1), (sin0, sin1), threads, int8): x (batch, hidden) fp32, updated in place. */
+static PyObject *py_step(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long x, c0, c1, s0, s1;
+    long long pos;
+    int threads, int8;
+    if (!PyArg_ParseTuple(args, "OKL(KK)(KK)ip", &capsule, &x, &pos, &c0, &c1, &s0, &s1, &threads, &int8)) return NULL;
+    Plan *p = PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan");
+    if (!p) return NULL;
+    if (!x || pos < 0 || pos >= p->slots || !c0 || !s0 || !c1 || !s1) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: bad activations, position or RoPE tables");
+        return NULL;
+    }
+    const float *cos[2] = {(const float *)(uintptr_t)c0, (const float *)(uintptr_t)c1};
+    const float *sin[2] = {(const float *)(uintptr_t)s0, (const float *)(uintptr_t)s1};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = step(p, (float *)(uintptr_t)x, pos, cos, sin, threads < 1 ? 1 : threads, int8);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"plan", py_plan, METH_VARARGS, "plan(model, layers) -> a capsule holding the layers' pointers"},
+    {"step", py_step, METH_VARARGS, "step(plan, x, pos, (cos0, cos1), (sin0, sin1), threads, int8)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_decode",
+                                    "A decode step through every packed decoder layer in one call.", -1, methods};
+
+PyMODINIT_FUNC PyInit__fused_decode(void) {
+    qkernel = PyCapsule_Import(QKERNEL_CAPSULE, 0);
+    if (!qkernel) return NULL;
+    paged = PyCapsule_Import(PAGED_KERNEL_CAPSULE, 0);
+    if (!paged) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,149 @@
+"""Decode steps through every decoder layer in one C call, for models whose block linears are all packed.
+
+A decode step of a small model is some 30 PyTorch ops a layer, each a few
+microseconds whatever its size: on SmolLM2 at 4 bits that was a third of
+the step (`paperback bench --profile`, docs/weights.md). `_fused_decode.c`
+runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
+MLP, the residuals) as one call, with the packed-weight kernel and the
+attention kernel the module path uses. `DecoderLM.hidden_states` takes it
+for one new token per row over a `ContiguousKVCache` whenever the model
+qualifies (`plan_for`); anything else (fp32 or bf16 linears, quantized or
+paged caches, prefill) runs module by module as before. The two paths agree
+to fp32 rounding (tests/generation/test_fused_decode.py);
+PAPERBACK_FUSED_DECODE=0 or `fused_decode(False)` turns this one off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from paperback.generation.kv_cache import ContiguousKVCache
+from paperback.models.layers import RMSNorm
+from paperback.quantization import kernels
+from paperback.quantization.qlinear import QuantLinear
+
+try:  # the two kernels it calls first: it finds them through their capsules as it loads
+    from paperback.engine import _paged_kernel  # noqa: F401
+    from paperback.quantization import _qkernel  # noqa: F401
+    from paperback.generation import _fused_decode
+except ImportError:  # built without a C compiler, or without the other two kernels
+    _fused_decode = None
+
+enabled = os.environ.get("PAPERBACK_FUSED_DECODE", "1") != "0"
+
+_ACTS = {"silu": 0}  # any other gate activation name is GELU (tanh), as models.layers.gated_mlp_act reads it
+_MAX_BATCH = 64
+_MAX_HEAD_DIM = 512
+
+
+@contextlib.contextmanager
+def fused_decode(flag: bool):
+    """Fused decode steps on (where a model qualifies) or off inside the block."""
+    global enabled
+    previous, enabled = enabled, flag
+    try:
+        yield
+    finally:
+        enabled = previous
+
+
+class FusedDecoder:
+    """The C plan of one model over one cache, and what it points into (kept alive with it)."""
+
+    def __init__(self, model, cache: ContiguousKVCache, plan, keep: list, tables: list[tuple[torch.Tensor, ...]]):
+        self.model, self.cache, self.plan, self._keep = model, cache, plan, keep
+        self.tables = tables  # per RoPE: (cos, signed sin), (slots, D) fp32, the model's own tables
+
+    def step(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Hidden states (B, 1, C) after the last decoder layer (before the final norm) for one token per row."""
+        x = self.model.embed(input_ids).reshape(input_ids.shape[0], -1).contiguous()
+        dim = self.model.config.head_dim
+        offset = 4 * start_pos * dim
+        cos = [t[0].data_ptr() + offset for t in self.tables]
+        sin = [t[1].data_ptr() + offset for t in self.tables]
+        cos, sin = cos + cos[:1], sin + sin[:1]  # one table: both slots
+        _fused_decode.step(self.plan, x.data_ptr(), start_pos, tuple(cos[:2]), tuple(sin[:2]),
+                           torch.get_num_threads(), kernels.decode_activations == "int8")
+        return x.view(input_ids.shape[0], 1, -1)
+
+
+def _packed(linear) -> bool:
+    return (type(linear) is QuantLinear and linear.qweight.device.type == "cpu"
+            and (linear.bias is None or linear.bias.dtype == torch.float32))
+
+
+def _norm(module, unit_offset: bool) -> bool:
+    return (type(module) is RMSNorm and module.unit_offset == unit_offset and module.weight.dtype == torch.float32)
+
+
+def _layer_parts(layer):
+    """(attention, mlp, [in, attention out, mlp in, mlp out] norms) of a Llama or Gemma 3 layer, else None."""
+    from paperback.models.gemma3 import Gemma3DecoderLayer
+    from paperback.models.llama import LlamaDecoderLayer
+
+    if type(layer) is LlamaDecoderLayer:
+        return layer.self_attn, layer.mlp, [layer.input_layernorm, None, layer.post_attention_layernorm, None], False
+    if type(layer) is Gemma3DecoderLayer:
+        return layer.self_attn, layer.mlp, [layer.input_layernorm, layer.post_attention_layernorm,
+                                            layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm], True
+    return None
+
+
+def _matrix(linear: QuantLinear) -> tuple:
+    kernels._check_buffers(linear)
+    qzeros = linear.qzeros.data_ptr() if linear.qzeros is not None else 0
+    bias = linear.bias.data_ptr() if linear.bias is not None else 0
+    return (linear.qweight.data_ptr(), linear.scales.data_ptr(), qzeros, bias, linear.out_features,
+            linear.in_features, linear.scheme.bits, linear.scheme.group_size or linear.in_features)
+
+
+def plan_for(model, cache) -> FusedDecoder | None:
+    """The fused decoder of `model` over `cache`, built once per cache, or None where the model or cache does not
+    qualify (the module path then runs)."""
+    if not enabled or _fused_decode is None or not kernels.kernel_available() or type(cache) is not ContiguousKVCache:
+        return None
+    held = cache.__dict__.get("_fused_decoder")  # (model, its decoder or None): the check runs once per cache
+    if held is None or held[0] is not model:
+        held = (model, _build(model, cache))
+        cache.__dict__["_fused_decoder"] = held
+    return held[1]
+
+
+def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
+    cfg = model.config
+    keys, values = cache.keys, cache.values
+    if (model.dtype != torch.float32 or model.device.type != "cpu" or len(keys) != cfg.num_layers
+            or keys[0].dtype != torch.float32 or keys[0].device.type != "cpu" or keys[0].shape[0] > _MAX_BATCH
+            or cfg.head_dim % 2 or cfg.head_dim > _MAX_HEAD_DIM):
+        return None
+    rotaries, layers, keep = [], [], []
+    unit_offset = None
+    for idx, layer in enumerate(model.model.layers):
+        parts = _layer_parts(layer)
+        if parts is None:
+            return None
+        attn, mlp, norms, gemma = parts
+        unit_offset = gemma if unit_offset is None else unit_offset
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        qk_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else [None, None]
+        if (gemma != unit_offset or not all(_packed(linear) for linear in linears)
+                or not all(n is None or _norm(n, gemma) for n in norms + qk_norms)
+                or not (keys[idx].is_contiguous() and values[idx].is_contiguous())):
+            return None
+        rotary = model.rotary_for(idx)
+        if all(r is not rotary for r in rotaries):
+            rotaries.append(rotary)
+        keep.extend((*linears, keys[idx], values[idx]))
+        layers.append((tuple(n.weight.data_ptr() if n is not None else 0 for n in norms + qk_norms),
+                       tuple(_matrix(linear) for linear in linears), keys[idx].data_ptr(), values[idx].data_ptr(),
+                       float(attn.scaling), attn.window or 0, next(i for i, r in enumerate(rotaries) if r is rotary)))
+    if len(rotaries) > 2:
+        return None
+    batch, _, slots, _ = keys[0].shape
+    tables = [tuple(t.contiguous() for t in rotary(torch.arange(slots), torch.float32)) for rotary in rotaries]
+    shape = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, batch, slots,
+             float(cfg.rms_norm_eps), int(unit_offset), _ACTS.get(cfg.hidden_act, 1))
+    return FusedDecoder(model, cache, _fused_decode.plan(shape, layers), keep, tables)

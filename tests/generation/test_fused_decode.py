@@ -1,0 +1,107 @@
+"""Fused decode steps (every layer in one C call) against the module path, family by family."""
+
+import pytest
+import torch
+
+from helpers import max_rel_error, tiny_hf
+from paperback.generation import ContiguousKVCache
+from paperback.generation import fused_decode as fd
+from paperback.kv import QuantizedKVCache, build_policy
+from paperback.loading import load_model
+from paperback.quantization import QuantScheme
+from paperback.quantization import kernels
+from paperback.quantization.checkpoint import swap_in_quantized
+from paperback.quantization.model_pass import QuantizeConfig, quantize_model
+
+pytestmark = pytest.mark.skipif(fd._fused_decode is None or not kernels.kernel_available(),
+                                reason="the fused decode kernel is not built")
+
+
+def packed(model_type: str, tmp_path, layer_schemes=None):
+    """A tiny random model of the family with every linear packed (RTN W4 g32; some W8 where asked)."""
+    tiny_hf(model_type).save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    config = QuantizeConfig("rtn", QuantScheme(4, 32), layer_schemes=layer_schemes or {})
+    swap_in_quantized(lm.model, quantize_model(lm.model, config, progress=False))
+    return lm.model
+
+
+def decode(model, ids, steps: int, fused: bool):
+    """Logits (B, steps, V) of greedy steps after the prompt, through a ContiguousKVCache."""
+    batch, prompt = ids.shape
+    with fd.fused_decode(fused), torch.inference_mode():
+        cache = ContiguousKVCache(model.config, batch, prompt + steps, torch.float32)
+        logits = model(ids, 0, cache, last_only=True)[:, -1]
+        out = []
+        for pos in range(prompt, prompt + steps):
+            logits = model(logits.argmax(-1)[:, None], pos, cache, last_only=True)[:, -1]
+            out.append(logits)
+        assert (fd.plan_for(model, cache) is not None) == fused
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("model_type", ["llama-tied", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_steps_equal_the_module_path(model_type, batch, tmp_path):
+    """Llama (tied head), Qwen2 (q/k/v bias), Qwen3 (q/k norms), Gemma 3 (sandwich norms, GELU, sliding window 8
+    and two RoPE tables, decoded past the window): the same logits to fp32 rounding, the same greedy tokens."""
+    model = packed(model_type, tmp_path)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 256, (batch, 5))
+    reference, fused = decode(model, ids, 14, False), decode(model, ids, 14, True)
+    assert max_rel_error(fused, reference) < 1e-4
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_linears_of_one_unit_at_different_schemes(tmp_path):
+    """k at W8 beside q and v at W4: the kernel is called per matrix where schemes differ."""
+    model = packed("llama-tied", tmp_path, {f"model.layers.{i}.self_attn.k_proj.weight": QuantScheme(8, 32)
+                                            for i in range(2)})
+    ids = torch.randint(1, 256, (2, 6))
+    assert max_rel_error(decode(model, ids, 6, True), decode(model, ids, 6, False)) < 1e-4
+
+
+def test_int8_activations_take_the_same_kernel(tmp_path):
+    """With int8 decode activations both paths round the same inputs: they differ by far less than the rounding
+    itself moves the logits."""
+    model = packed("gemma3", tmp_path)
+    ids = torch.randint(1, 256, (2, 5))
+    exact = decode(model, ids, 4, False)
+    with kernels.kernel_modes(decode="int8"):
+        reference, fused = decode(model, ids, 4, False), decode(model, ids, 4, True)
+    assert max_rel_error(fused, reference) < 0.1 * max_rel_error(reference, exact)
+
+
+def test_portable_kernel_paths(tmp_path):
+    """The packed-weight and attention kernels' portable C (what a CPU without AVX runs) under the fused step."""
+    from paperback.engine import _paged_kernel
+    from paperback.quantization import _qkernel
+
+    model = packed("qwen3", tmp_path)
+    ids = torch.randint(1, 256, (1, 5))
+    reference = decode(model, ids, 5, False)
+    previous = _qkernel.simd(), _paged_kernel.use_avx512(False)
+    try:
+        _qkernel.set_simd("portable")
+        fused = decode(model, ids, 5, True)
+    finally:
+        _qkernel.set_simd(previous[0])
+        _paged_kernel.use_avx512(previous[1])
+    assert max_rel_error(fused, reference) < 1e-4
+
+
+def test_only_packed_models_over_a_dense_fp32_cache_qualify(tmp_path):
+    model = packed("llama-tied", tmp_path / "q")
+    tiny_hf("llama-tied").save_pretrained(tmp_path / "f")
+    full = load_model(str(tmp_path / "f"), with_tokenizer=False).model
+    dense = ContiguousKVCache(model.config, 1, 16, torch.float32)
+    assert fd.plan_for(model, dense) is not None
+    assert fd.plan_for(full, ContiguousKVCache(full.config, 1, 16, torch.float32)) is None  # fp32 linears
+    quantized = QuantizedKVCache(model.config, build_policy(model.config, spec={"default": "fp8"}), 1, 16,
+                                 torch.float32)
+    assert fd.plan_for(model, quantized) is None  # a quantized cache: its own read and write paths
+    assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.bfloat16)) is None
+    with fd.fused_decode(False):
+        assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float32)) is None
+    # A plan belongs to one model: another model over the same cache does not reuse it.
+    assert fd.plan_for(full, dense) is None and fd.plan_for(model, dense) is not None
