@@ -34,6 +34,7 @@ class BenchConfig:
     prefill_matmul: str = "fp32"  # paperback's packed prefill path: fp32 or bf16 tiles
     threads: int | None = None  # None: torch's default
     profile: bool = False  # also time a decode step's parts (paperback.bench.step_profile)
+    fused_decode: bool = True  # decode steps through every layer in one C call where the model qualifies
 
     def __post_init__(self):
         from paperback.errors import PaperbackError
@@ -156,6 +157,9 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     set_decode_activations(cfg.decode_activations)
     set_prefill_matmul(cfg.prefill_matmul)
+    from paperback.generation import fused_decode
+
+    fused_decode.enabled = cfg.fused_decode
     start = time.perf_counter()
     engine = ENGINES[engine_name](cfg)
     load_s = time.perf_counter() - start
@@ -197,6 +201,8 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
 
 
 def _model_facts(lm, cfg: BenchConfig) -> dict:
+    from paperback.generation.fused_decode import plan_for
+    from paperback.generation.kv_cache import ContiguousKVCache
     from paperback.memory import (dense_kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
                                   weight_bytes_read_per_step)
 
@@ -210,6 +216,8 @@ def _model_facts(lm, cfg: BenchConfig) -> dict:
         # cache bytes one decode step reads at the mean decode context (sliding windows capped)
         "decode_context": decode_context(cfg),
         "kv_bytes_read_per_step": kv_bytes_read_per_step(lm.config, lm.dtype, decode_context(cfg)),
+        # decode steps ran every layer in one C call (generation.fused_decode), or module by module
+        "fused_decode": plan_for(lm.model, ContiguousKVCache(lm.config, 1, 2, lm.dtype)) is not None,
     }
 
 

@@ -9,8 +9,10 @@ what lies outside the forward (sampling, the loop). Each region counts its
 own time less the regions inside it, so the parts add up to the wall time of
 the steps; the timers' own cost lands in "model, other" and is small against
 milliseconds per step. Where the decoder layers run as one C call
-(generation.fused_decode: packed models over a dense cache), that call is one
-part, "decoder layers (fused)", and the parts inside it read zero;
+(generation.fused_decode: packed models over a dense cache), the call times
+its own parts (linears, attention, cache writes, and norms, RoPE and
+activations together) and those are added to the parts of the same names;
+what the call spends outside them is "fused call, other".
 PAPERBACK_FUSED_DECODE=0 shows the module path's breakdown instead.
 """
 
@@ -23,8 +25,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-PARTS = ("decoder layers (fused)", "linears", "output head", "attention", "rope", "norms", "kv cache writes",
-         "model, other", "sampling and loop")
+FUSED_ELEMENTWISE = "norms, rope, activations (fused)"
+PARTS = ("linears", "output head", "attention", "rope", "norms", "kv cache writes", FUSED_ELEMENTWISE,
+         "fused call, other", "model, other", "sampling and loop")
+# the fused call's own parts -> the parts above they are added to
+_FUSED_PARTS = {"linears": "linears", "attention": "attention", "kv cache writes": "kv cache writes",
+                "norms, rope, activations": FUSED_ELEMENTWISE}
 
 
 class StepTimers:
@@ -66,13 +72,14 @@ def _is_linear(module: nn.Module) -> bool:
 def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
     """Milliseconds per decode step by part (PARTS), for a greedy decode of `new_tokens` after `prompt_ids`."""
     from paperback.generation import SamplingParams, generate_tokens
+    from paperback.generation import fused_decode
     from paperback.generation.fused_decode import FusedDecoder
     from paperback.models import blocks
     from paperback.models.layers import RMSNorm
 
     timers = StepTimers()
     patched = [(blocks, "run_linears", "linears"), (blocks, "attend", "attention"), (blocks, "apply_rope", "rope"),
-               (blocks.Attention, "_store", "kv cache writes"), (FusedDecoder, "step", "decoder layers (fused)")]
+               (blocks.Attention, "_store", "kv cache writes"), (FusedDecoder, "step", "fused call, other")]
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patched]
     hooks = []
     for module in model.modules():
@@ -91,16 +98,24 @@ def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
             for _ in generate_tokens(model, prompt_ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
                 if start is None:  # the prompt's prefill is done: time the steps from here
                     start, timers.active = time.perf_counter(), True
+                    if fused_decode._fused_decode is not None:
+                        fused_decode._fused_decode.timing(True)
                 else:
                     steps += 1
             wall = time.perf_counter() - start
     finally:
+        fused = fused_decode._fused_decode.timings() if fused_decode._fused_decode is not None else {}
+        if fused_decode._fused_decode is not None:
+            fused_decode._fused_decode.timing(False)
         for owner, attr, original in originals:
             setattr(owner, attr, original)
         vars(model).pop("forward", None)  # back to the class's methods
         vars(model).pop("logits", None)
         for hook in hooks:
             hook.remove()
+    for part, seconds in fused.items():  # inside the fused call's own exclusive time
+        timers.seconds[_FUSED_PARTS[part]] += seconds
+        timers.seconds["fused call, other"] -= seconds
     inside = sum(timers.seconds.values())
     parts = {name: 1e3 * timers.seconds.get(name, 0.0) / steps for name in PARTS[:-1]}
     parts["sampling and loop"] = 1e3 * (wall - inside) / steps

@@ -323,32 +323,88 @@ static float exp_shifted(float *x, int64_t count, float shift) {
 
 /* score[j] = scaling * q.k_j for j < count; returns the largest of them and `floor`. */
 #if defined(__x86_64__) && defined(__GNUC__)
+/* q.k for one key as 16 partial sums (dim % 16 == 0). */
+__attribute__((target("avx512f"))) static inline __m512 partial_dot(const float *q, const float *k, int64_t dim) {
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t d = 16; d < dim; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), s);
+    return s;
+}
+
+/* Lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once: 45 shuffles and adds instead of 16 horizontal
+ * reductions of about 10 each, which made the score loop arithmetic-bound. Pairs first within 128-bit blocks
+ * (unpack, then shuffle), then across the four blocks (shuffle_f32x4). */
+__attribute__((target("avx512f"))) static inline __m512 sum16(const __m512 v[16]) {
+    __m512 c[8], d[4];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 __attribute__((target("avx512f"))) static float block_scores_avx512(const float *q, const float *k, int64_t count,
                                                                     int64_t dim, float scaling, float *score,
                                                                     float floor) {
-    float best = floor;
-    for (int64_t j = 0; j < count; j++) {
-        const float *kj = k + j * dim;
-        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj)), s1 = _mm512_setzero_ps();
-        int64_t d = 16;
-        for (; d + 32 <= dim; d += 32) {
-            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), s1);
-            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), _mm512_loadu_ps(kj + d + 16), s0);
-        }
-        if (d < dim) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), s1);
-        score[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scaling;
-        if (score[j] > best) best = score[j];
+    __m512 best = _mm512_set1_ps(floor);
+    const __m512 scale = _mm512_set1_ps(scaling);
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) { /* sixteen keys, their scores in one vector */
+        __m512 partial[16];
+        for (int i = 0; i < 16; i++) partial[i] = partial_dot(q, k + (j + i) * dim, dim);
+        const __m512 s = _mm512_mul_ps(sum16(partial), scale);
+        _mm512_storeu_ps(score + j, s);
+        best = _mm512_max_ps(best, s);
     }
-    return best;
+    float top = _mm512_reduce_max_ps(best);
+    for (; j < count; j++) {
+        score[j] = _mm512_reduce_add_ps(partial_dot(q, k + j * dim, dim)) * scaling;
+        if (score[j] > top) top = score[j];
+    }
+    return top;
 }
 
-/* a = c a + sum_j p[j] v_j: each 16 lanes of a stay in a register over the chunk's rows. */
+/* a[0:16W) = c a + sum_j p[j] v_j[0:16W) for W = 1..4 vectors, rows j of stride `dim`: each vector of a stays in
+ * a register, over even and odd rows apart, so up to eight independent multiply-add chains run where one chain
+ * per vector waited on the multiply-add's latency every row. W is a constant in each inlined copy, so the
+ * accumulators are registers, not an array in memory. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+weighted_span(float *a, float c, const float *p, const float *v, int64_t count, int64_t dim, const int W) {
+    __m512 even[4], odd[4];
+    for (int b = 0; b < W; b++) {
+        even[b] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * b), _mm512_set1_ps(c));
+        odd[b] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= count; j += 2) {
+        const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+        const float *v0 = v + j * dim, *v1 = v0 + dim;
+        for (int b = 0; b < W; b++) {
+            even[b] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * b), even[b]);
+            odd[b] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * b), odd[b]);
+        }
+    }
+    if (j < count)
+        for (int b = 0; b < W; b++)
+            even[b] = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * dim + 16 * b), even[b]);
+    for (int b = 0; b < W; b++) _mm512_storeu_ps(a + 16 * b, _mm512_add_ps(even[b], odd[b]));
+}
+
+/* a = c a + sum_j p[j] v_j, 64 lanes of a at a time (dim % 16 == 0). */
 __attribute__((target("avx512f"))) static void weighted_rows_avx512(float *a, float c, const float *p,
                                                                     const float *v, int64_t count, int64_t dim) {
-    for (int64_t d = 0; d < dim; d += 16) {
-        __m512 r = _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(c));
-        for (int64_t j = 0; j < count; j++) r = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v + j * dim + d), r);
-        _mm512_storeu_ps(a + d, r);
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        switch (dim - d0 < 64 ? (dim - d0) / 16 : 4) {
+        case 4: weighted_span(a + d0, c, p, v + d0, count, dim, 4); break;
+        case 3: weighted_span(a + d0, c, p, v + d0, count, dim, 3); break;
+        case 2: weighted_span(a + d0, c, p, v + d0, count, dim, 2); break;
+        default: weighted_span(a + d0, c, p, v + d0, count, dim, 1);
+        }
     }
 }
 #endif

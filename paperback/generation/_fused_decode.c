@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "../engine/_paged_kernel.h"
 #include "../quantization/_qkernel.h"
@@ -56,6 +57,26 @@ typedef struct {
     Layer *layers;
     float *scratch; /* h, q, k, v, attn, o (hidden), gate, up: sized for `batch` rows */
 } Plan;
+
+/* Where a step's time goes, when asked (`timing(True)`): seconds per part, summed over steps. */
+enum { T_LINEARS, T_ATTENTION, T_CACHE, T_ELEMENTWISE, T_PARTS };
+static const char *PART_NAMES[T_PARTS] = {"linears", "attention", "kv cache writes", "norms, rope, activations"};
+static int timing;
+static double part_seconds[T_PARTS];
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Charges the time since *mark to `part` and moves the mark (a no-op unless timing). */
+static inline void charge(int part, double *mark) {
+    if (!timing) return;
+    const double t = now();
+    part_seconds[part] += t - *mark;
+    *mark = t;
+}
 
 static void plan_free(PyObject *capsule) {
     Plan *p = PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan");
@@ -144,37 +165,49 @@ static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, c
     const int64_t rows = p->batch, c = p->hidden, d = p->dim, hq = p->heads, hkv = p->kv_heads;
     float *h = p->scratch, *q = h + rows * c, *k = q + rows * hq * d, *v = k + rows * hkv * d,
           *attn = v + rows * hkv * d, *o = attn + rows * hq * d, *gate = o + rows * c, *up = gate + rows * p->inter;
+    double mark = timing ? now() : 0.0;
     for (int64_t li = 0; li < p->count; li++) {
         const Layer *L = &p->layers[li];
         rms_norm(x, L->norms[NORM_ATTN_IN], h, rows, c, p->eps, p->unit_offset);
+        charge(T_ELEMENTWISE, &mark);
         float *qkv[3] = {q, k, v};
         if (linears(&L->linears[Q], 3, h, rows, qkv, threads, int8) < 0) return -1;
+        charge(T_LINEARS, &mark);
         if (L->norms[NORM_Q]) {
             rms_norm(q, L->norms[NORM_Q], q, rows * hq, d, p->eps, p->unit_offset);
             rms_norm(k, L->norms[NORM_K], k, rows * hkv, d, p->eps, p->unit_offset);
         }
         rope(q, rows * hq, d, cos[L->rope], sin[L->rope]);
         rope(k, rows * hkv, d, cos[L->rope], sin[L->rope]);
+        charge(T_ELEMENTWISE, &mark);
         for (int64_t b = 0; b < rows; b++)
             for (int64_t j = 0; j < hkv; j++) {
                 const int64_t at = ((b * hkv + j) * p->slots + pos) * d;
                 memcpy(L->keys + at, k + (b * hkv + j) * d, sizeof(float) * d);
                 memcpy(L->values + at, v + (b * hkv + j) * d, sizeof(float) * d);
             }
+        charge(T_CACHE, &mark);
         if (paged->dense_decode(q, attn, L->keys, L->values, rows, hq, hkv, d, p->slots, pos + 1, L->scaling,
                                 L->window) < 0)
             return -1;
+        charge(T_ATTENTION, &mark);
         float *out[2] = {o, NULL};
         if (linears(&L->linears[O], 1, attn, rows, out, threads, int8) < 0) return -1;
+        charge(T_LINEARS, &mark);
         if (L->norms[NORM_ATTN_OUT]) rms_norm(o, L->norms[NORM_ATTN_OUT], o, rows, c, p->eps, p->unit_offset);
         add_into(x, o, rows * c);
         rms_norm(x, L->norms[NORM_MLP_IN], h, rows, c, p->eps, p->unit_offset);
+        charge(T_ELEMENTWISE, &mark);
         float *gu[2] = {gate, up};
         if (linears(&L->linears[GATE], 2, h, rows, gu, threads, int8) < 0) return -1;
+        charge(T_LINEARS, &mark);
         gated_act(gate, up, rows * p->inter, p->act);
+        charge(T_ELEMENTWISE, &mark);
         if (linears(&L->linears[DOWN], 1, gate, rows, out, threads, int8) < 0) return -1;
+        charge(T_LINEARS, &mark);
         if (L->norms[NORM_MLP_OUT]) rms_norm(o, L->norms[NORM_MLP_OUT], o, rows, c, p->eps, p->unit_offset);
         add_into(x, o, rows * c);
+        charge(T_ELEMENTWISE, &mark);
     }
     return 0;
 }
@@ -294,8 +327,35 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* timing(flag): time the parts of each step from now on (or stop), and zero the sums; returns the old flag. */
+static PyObject *py_timing(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    const int previous = timing;
+    timing = flag;
+    memset(part_seconds, 0, sizeof(part_seconds));
+    return PyBool_FromLong(previous);
+}
+
+/* timings() -> {part: seconds} summed over the steps since timing(True). */
+static PyObject *py_timings(PyObject *self, PyObject *noargs) {
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < T_PARTS; i++) {
+        PyObject *value = PyFloat_FromDouble(part_seconds[i]);
+        if (!value || PyDict_SetItemString(out, PART_NAMES[i], value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(value);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "plan(model, layers) -> a capsule holding the layers' pointers"},
+    {"timing", py_timing, METH_VARARGS, "timing(flag) -> the previous flag; time each step's parts (sums zeroed)"},
+    {"timings", py_timings, METH_NOARGS, "timings() -> {part: seconds} since timing(True)"},
     {"step", py_step, METH_VARARGS, "step(plan, x, pos, (cos0, cos1), (sin0, sin1), threads, int8)"},
     {NULL, NULL, 0, NULL},
 };

@@ -199,6 +199,22 @@ def test_dense_cache_decode_reads_the_cache_in_place(dtype):
     assert dense_decode_attention(q, k.transpose(2, 3), v.transpose(2, 3), 0.125) is None
 
 
+@pytest.mark.parametrize("dim", [16, 48, 80, 128, 144])
+@pytest.mark.parametrize("length", [5, 16, 37, 130])
+def test_dense_decode_over_head_dims_and_lengths(dim, length, kernel_path):
+    """Head dims of 1 to 4 vectors and past 64 lanes (the value side's register spans), lengths below, at and
+    past a 16-key score tile and a 64-slot chunk, with the tile's tail: what SDPA gives."""
+    from paperback.engine.paged_attention import dense_decode_attention
+
+    torch.manual_seed(dim + length)
+    cache_k, cache_v = torch.randn(3, 2, 200, dim) * 2, torch.randn(3, 2, 200, dim)
+    q = torch.randn(3, 6, 1, dim)
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    got = dense_decode_attention(q, k, v, dim ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, enable_gqa=True)
+    assert torch.allclose(got, want, atol=2e-5)
+
+
 def _quantized_codecs(name):
     from paperback.kv.codecs import ChannelIntCodec, FP8Codec, TokenIntCodec
 
