@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from paperback.errors import ContextLengthError
 from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.models.layers import RMSNorm
 from paperback.quantization import kernels
@@ -59,6 +60,9 @@ class FusedDecoder:
 
     def step(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Hidden states (B, 1, C) after the last decoder layer (before the final norm) for one token per row."""
+        if start_pos + 1 > self.cache.max_len:  # as the cache's own update says it
+            raise ContextLengthError(f"KV cache holds {self.cache.max_len} tokens; position {start_pos + 1} does "
+                                     f"not fit")
         x = self.model.embed(input_ids).reshape(input_ids.shape[0], -1).contiguous()
         dim = self.model.config.head_dim
         offset = 4 * start_pos * dim

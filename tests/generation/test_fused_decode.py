@@ -105,3 +105,14 @@ def test_only_packed_models_over_a_dense_fp32_cache_qualify(tmp_path):
         assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float32)) is None
     # A plan belongs to one model: another model over the same cache does not reuse it.
     assert fd.plan_for(full, dense) is None and fd.plan_for(model, dense) is not None
+
+
+def test_a_position_past_the_cache_is_the_cache_error(tmp_path):
+    from paperback.errors import ContextLengthError
+
+    model = packed("llama-tied", tmp_path)
+    cache = ContiguousKVCache(model.config, 1, 6, torch.float32)
+    with torch.inference_mode():
+        model(torch.randint(1, 256, (1, 6)), 0, cache)
+        with pytest.raises(ContextLengthError, match="holds 6 tokens"):
+            model(torch.tensor([[3]]), 6, cache)
