@@ -58,8 +58,15 @@ class FusedDecoder:
         self.model, self.cache, self.plan, self._keep = model, cache, plan, keep
         self.tables = tables  # per RoPE: (cos, signed sin), (slots, D) fp32, the model's own tables
 
+    def takes(self, input_ids: torch.Tensor) -> bool:
+        """Whether `step` runs these ids: one new token for each of the cache's rows."""
+        return input_ids.shape[1] == 1 and input_ids.shape[0] == self.cache.keys[0].shape[0]
+
     def step(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Hidden states (B, 1, C) after the last decoder layer (before the final norm) for one token per row."""
+        """Hidden states (B, 1, C) after the last decoder layer (before the final norm) for one token per row of
+        the cache (`takes`)."""
+        if not self.takes(input_ids):
+            raise ValueError(f"fused decode takes one token per cache row, got ids of shape {tuple(input_ids.shape)}")
         if start_pos + 1 > self.cache.max_len:  # as the cache's own update says it
             raise ContextLengthError(f"KV cache holds {self.cache.max_len} tokens; position {start_pos + 1} does "
                                      f"not fit")

@@ -161,7 +161,7 @@ class DecoderLM(nn.Module):
             # Decode steps run every layer in one C call where the model and cache qualify; the plan is made
             # on the first call over a cache (the prefill, as generate runs), so no decode step pays for it.
             fused = plan_for(self, kv_cache)
-            if fused is not None and input_ids.shape[1] == 1:
+            if fused is not None and fused.takes(input_ids):
                 return self.model.norm(fused.step(input_ids, start_pos))
         x = self.embed(input_ids)
         if positions is None:

@@ -107,6 +107,17 @@ def test_only_packed_models_over_a_dense_fp32_cache_qualify(tmp_path):
     assert fd.plan_for(full, dense) is None and fd.plan_for(model, dense) is not None
 
 
+def test_ids_that_are_not_one_token_per_cache_row_take_the_module_path(tmp_path):
+    model = packed("llama-tied", tmp_path)
+    cache = ContiguousKVCache(model.config, 2, 8, torch.float32)
+    with torch.inference_mode():
+        model(torch.randint(1, 256, (2, 4)), 0, cache)
+        decoder = fd.plan_for(model, cache)
+        assert decoder.takes(torch.tensor([[1], [2]])) and not decoder.takes(torch.tensor([[1]]))
+        with pytest.raises(ValueError, match="one token per cache row"):
+            decoder.step(torch.tensor([[1]]), 4)
+
+
 def test_a_position_past_the_cache_is_the_cache_error(tmp_path):
     from paperback.errors import ContextLengthError
 
