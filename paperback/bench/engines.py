@@ -33,7 +33,7 @@ class BenchConfig:
     decode_activations: str = "fp32"  # paperback's packed decode path: fp32 or int8 activations
     prefill_matmul: str = "fp32"  # paperback's packed prefill path: fp32 or bf16 tiles
     threads: int | None = None  # None: torch's default
-    profile: bool = False  # also time a decode step's parts (paperback.bench.step_profile)
+    profile: bool = False  # also time a decode step's parts at each batch (paperback.bench.step_profile)
     fused_decode: bool = True  # decode steps through every layer in one C call where the model qualifies
 
     def __post_init__(self):
@@ -195,7 +195,9 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
         if cfg.profile:
             from paperback.bench.step_profile import profile_decode
 
-            result["profile"] = profile_decode(engine.lm.model, single, cfg.decode_tokens)
+            # one profile per decode batch: {batch: where its step's time goes}
+            result["profile"] = {str(batch): profile_decode(engine.lm.model, prompts[:batch], cfg.decode_tokens)
+                                 for batch in cfg.batches}
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_kernel_args, add_dtype_arg, add_json_arg, add_model_arg
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_model_arg
 from paperback.cli.output import err_console, note, print_json, print_table
 
 
@@ -23,8 +23,8 @@ def register(sub) -> None:
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--threads", type=int, default=None, help="threads per engine (default: all cores)")
     p.add_argument("--profile", action="store_true",
-                   help="also show where a batch-1 decode step's time goes in paperback (linears, attention, "
-                        "norms, head, sampling, the rest)")
+                   help="also show where a decode step's time goes in paperback at each --batch (linears, "
+                        "attention, norms, head, sampling, the rest)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
     add_dtype_arg(p)
     add_kernel_args(p)
@@ -55,10 +55,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(f"{args.model} ({args.dtype}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
                 f"{report['engines']['paperback']['threads']} threads",
                 bench_columns(report), bench_rows(report))
-    profile = report["engines"]["paperback"].get("profile")
-    if profile:
-        print_table(f"paperback: a decode step ({profile['ms_per_step']:.2f} ms at batch 1, {profile['steps']} steps)",
-                    ["part", "ms / step", "share"],
+    for batch, profile in report["engines"]["paperback"].get("profile", {}).items():
+        print_table(f"paperback: a decode step ({profile['ms_per_step']:.2f} ms at batch {batch}, "
+                    f"{profile['steps']} steps)", ["part", "ms / step", "share"],
                     [[part, f"{ms:.3f}", f"{ms / profile['ms_per_step']:.0%}"]
                      for part, ms in profile["parts_ms"].items()])
     bw = report["bandwidth_bytes_per_s"] / 1e9

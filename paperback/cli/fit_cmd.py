@@ -109,10 +109,9 @@ def run(args: argparse.Namespace) -> int:
     from paperback.allocate.report import write_report
     from paperback.allocate.units import parse_weight_candidates
     from paperback.cli.serve_cmd import parse_bytes
+    from paperback.errors import PaperbackError
     from paperback.evaluation.datasets import load_text
     from paperback.loading import load_model
-
-    from paperback.errors import PaperbackError
 
     if not 0 <= args.even_margin < 1:
         raise PaperbackError(f"bad --even-margin {args.even_margin} (a fraction in [0, 1))")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paperback.cli.common import add_kernel_args, add_dtype_arg, add_json_arg
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args
 from paperback.cli.output import note, print_json
 from paperback.errors import PaperbackError
 from paperback.loading.sources import DEFAULT_MODEL

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_kernel_args, add_dtype_arg, add_model_arg
+from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg
 from paperback.cli.output import note
 
 

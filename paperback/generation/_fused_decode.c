@@ -78,12 +78,11 @@ static inline void charge(int part, double *mark) {
     *mark = t;
 }
 
-static void plan_free(PyObject *capsule) {
-    Plan *p = PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan");
-    if (p) {
-        free(p->layers), free(p->scratch), free(p);
-    }
+static void plan_destroy(Plan *p) {
+    if (p) free(p->layers), free(p->scratch), free(p);
 }
+
+static void plan_free(PyObject *capsule) { plan_destroy(PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan")); }
 
 /* ---- elementwise parts: small, one thread, written so gcc vectorizes them at the clone's width ---- */
 
@@ -279,30 +278,29 @@ static PyObject *py_plan(PyObject *self, PyObject *args) {
     PyObject *seq = PySequence_Fast(layers, "fused decode: layers must be a sequence");
     if (!seq) return NULL;
     head.count = PySequence_Fast_GET_SIZE(seq);
-    Plan *p = malloc(sizeof(Plan));
-    if (p) *p = head;
-    const int64_t rows = head.batch;
-    const int64_t floats = rows * (2 * head.hidden + 2 * head.heads * head.dim + 2 * head.kv_heads * head.dim +
-                                   2 * head.inter);
+    /* scratch: h, q, k, v, attn, o, gate, up for `batch` rows */
+    const int64_t floats = head.batch * (2 * head.hidden + 2 * head.heads * head.dim + 2 * head.kv_heads * head.dim +
+                                         2 * head.inter);
+    Plan *p = calloc(1, sizeof(Plan));
     if (p) {
+        *p = head;
         p->layers = calloc(head.count ? head.count : 1, sizeof(Layer));
         p->scratch = malloc(sizeof(float) * floats);
     }
     if (!p || !p->layers || !p->scratch) {
         Py_DECREF(seq);
-        if (p) free(p->layers), free(p->scratch);
-        free(p);
+        plan_destroy(p);
         return PyErr_NoMemory();
     }
     for (int64_t i = 0; i < head.count; i++)
         if (parse_layer(PySequence_Fast_GET_ITEM(seq, i), &p->layers[i], p) < 0) {
             Py_DECREF(seq);
-            free(p->layers), free(p->scratch), free(p);
+            plan_destroy(p);
             return NULL;
         }
     Py_DECREF(seq);
     PyObject *capsule = PyCapsule_New(p, "paperback.fused_decode.Plan", plan_free);
-    if (!capsule) free(p->layers), free(p->scratch), free(p);
+    if (!capsule) plan_destroy(p);
     return capsule;
 }
 

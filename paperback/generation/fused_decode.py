@@ -56,7 +56,8 @@ class FusedDecoder:
 
     def __init__(self, model, cache: ContiguousKVCache, plan, keep: list, tables: list[tuple[torch.Tensor, ...]]):
         self.model, self.cache, self.plan, self._keep = model, cache, plan, keep
-        self.tables = tables  # per RoPE: (cos, signed sin), (slots, D) fp32, the model's own tables
+        # The plan's two RoPE slots: (cos, signed sin) tables (slots, D) fp32, the model's own; one table fills both.
+        self.tables = (tables[0], tables[-1])
 
     def takes(self, input_ids: torch.Tensor) -> bool:
         """Whether `step` runs these ids: one new token for each of the cache's rows."""
@@ -71,13 +72,11 @@ class FusedDecoder:
             raise ContextLengthError(f"KV cache holds {self.cache.max_len} tokens; position {start_pos + 1} does "
                                      f"not fit")
         x = self.model.embed(input_ids).reshape(input_ids.shape[0], -1).contiguous()
-        dim = self.model.config.head_dim
-        offset = 4 * start_pos * dim
-        cos = [t[0].data_ptr() + offset for t in self.tables]
-        sin = [t[1].data_ptr() + offset for t in self.tables]
-        cos, sin = cos + cos[:1], sin + sin[:1]  # one table: both slots
-        _fused_decode.step(self.plan, x.data_ptr(), start_pos, tuple(cos[:2]), tuple(sin[:2]),
-                           torch.get_num_threads(), kernels.decode_activations == "int8")
+        offset = 4 * start_pos * self.model.config.head_dim  # the position's row, in bytes
+        cos = tuple(t[0].data_ptr() + offset for t in self.tables)
+        sin = tuple(t[1].data_ptr() + offset for t in self.tables)
+        _fused_decode.step(self.plan, x.data_ptr(), start_pos, cos, sin, torch.get_num_threads(),
+                           kernels.decode_activations == "int8")
         return x.view(input_ids.shape[0], 1, -1)
 
 

@@ -29,7 +29,6 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
-
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static float half_to_float(uint16_t h) {

@@ -43,6 +43,7 @@ _scratch = threading.local()
 # PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
 enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 
+
 def _mode(value: str, allowed: tuple[str, ...], what: str) -> str:
     """value, or a one-line user error naming the choices (the CLI prints it as such)."""
     if value not in allowed:
@@ -94,7 +95,6 @@ def kernel_modes(decode: str | None = None, prefill: str | None = None):
             set_decode_activations(previous[0])
         if previous[1] is not None:
             set_prefill_matmul(previous[1])
-
 
 
 def kernel_available() -> bool:
