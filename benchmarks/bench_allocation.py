@@ -49,6 +49,7 @@ from paperback.evaluation import evaluate, load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
 from paperback.quantization.awq import AWQConfig  # noqa: E402
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch  # noqa: E402
+from paperback.quantization.head_bands import MIN_BAND_BITS, split_band_key  # noqa: E402
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
 from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
 
@@ -60,7 +61,7 @@ def paperback_policy(allocator: Allocator, budget: int, second: ShippedSecondPas
     """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
     solutions by head scheme and the even-bits one, each quantized by `quantize(model, policy)` and measured
     whole on the profiled part of the text; the policy, the candidates and the kept model."""
-    candidates = second_pass_candidates(allocator.weight_groups(), budget, count)
+    candidates = second_pass_candidates(allocator.weight_groups(), budget, count, allocator.layout_bytes)
 
     def policy_of(candidate) -> dict:
         return {p: allocator.schemes[candidate.chosen[u.name].label] for u in allocator.units for p in u.params}
@@ -70,9 +71,9 @@ def paperback_policy(allocator: Allocator, budget: int, second: ShippedSecondPas
     return policy_of(best.candidate), [{**c.summary(), "chosen": c is best.candidate} for c in candidates], best
 
 
-def predicted_kl(profile: dict, units, policy: dict) -> float | None:
-    """Sum of the profile's unit costs, when every unit's linears share one profiled scheme."""
-    kl = profile["weights"]["kl"]
+def predicted_kl(kl: dict, units, policy: dict) -> float | None:
+    """Sum of the profile's unit costs ({unit: {scheme label: KL}}, Allocator.kl), when every unit's linears
+    share one profiled scheme."""
     total = 0.0
     for unit in units:
         labels = {policy[p].label for p in unit.params}
@@ -104,12 +105,19 @@ def main() -> None:
     parser.add_argument("--even-margin", type=float, default=EVEN_MARGIN,
                         help=f"how much lower a mix's measured KL must be than even bits' to be kept (default "
                              f"{EVEN_MARGIN})")
+    parser.add_argument("--no-head-bands", action="store_true",
+                        help="allocate the tied head as one unit, not by bands of vocabulary rows")
+    parser.add_argument("--head-band-min-bits", type=int, default=MIN_BAND_BITS,
+                        help=f"fewest bits a band of the head may take (default {MIN_BAND_BITS}; results of another "
+                             "value go to a file of their own)")
     parser.add_argument("--fresh", action="store_true", help="redo the chosen policies' cells at the chosen budgets")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (README)")
     args = parser.parse_args()
     warn_if_busy()
     torch.manual_seed(0)
     stem = f"allocation_{args.model}" + ("" if args.text == "pydoc" else f"_{args.text}")
+    if args.head_band_min_bits != MIN_BAND_BITS:
+        stem += f"_bands{args.head_band_min_bits}bit"
     out_name = f"{stem}.json"
     previous = json.loads((RESULTS / out_name).read_text()) if (RESULTS / out_name).exists() else {}
     cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
@@ -122,9 +130,12 @@ def main() -> None:
     profiles = {name: Profiler(full.model, full.tokenizer, load_text(args.text), args.text, config).run()
                 for name, config in profiles.items()}
     profile = profiles["paperback"]
-    allocators = {name: Allocator(p, full.model, Workload(10 ** 15, 1, 1)) for name, p in profiles.items()}
+    allocators = {name: Allocator(p, full.model, Workload(10 ** 15, 1, 1), head_bands=not args.no_head_bands,
+                                  band_min_bits=args.head_band_min_bits) for name, p in profiles.items()}
     allocator = allocators["paperback"]
-    units, shapes = allocator.units, param_shapes(allocator.units)
+    # The baselines' units: the head one unit, as uniform schemes and llama.cpp's recipes treat it.
+    units = Allocator(profile, full.model, Workload(10 ** 15, 1, 1), head_bands=False).units
+    shapes = param_shapes(units)
     candidates = list(allocator.schemes.values())
     second_passes = {name: ShippedSecondPass(full.model, full.tokenizer, load_text(args.text),
                                              ProfileConfig.from_dict(p["config"]), even_margin=args.even_margin)
@@ -140,8 +151,9 @@ def main() -> None:
 
     def quantize(model, policy: dict) -> dict:
         """One policy quantized in place, every policy alike: the same method, AWQ settings and calibration."""
+        schemes, head_bands = allocator.quantize_schemes(policy)
         config = QuantizeConfig(args.method, next(iter(policy.values())), awq=awq,
-                                targets=BLOCK_LINEARS + ("head",), layer_schemes=policy)
+                                targets=BLOCK_LINEARS + ("head",), layer_schemes=schemes, head_bands=head_bands)
         return quantize_model(model, config, calibration, progress=False)
 
     for label in args.budgets:
@@ -157,7 +169,8 @@ def main() -> None:
             if (label, name) in cells:
                 continue
             policy, second_pass, shipped = policies[name]()
-            used = policy_bytes(shapes, policy)
+            policy_units = allocators[name].units if name in allocators else units
+            used = policy_bytes(param_shapes(policy_units), policy)
             if not 0.99 * budget <= used <= budget:
                 raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")
             if shipped is not None:  # the second pass's kept model is the one scored, not quantized again
@@ -169,11 +182,12 @@ def main() -> None:
                 seconds = time.perf_counter() - start
             cell = {"budget": label, "policy": name, "bytes": used, "budget_bytes": budget,
                     "bits_per_weight": 8 * used / sum(u.numel for u in units),
-                    "predicted_kl": predicted_kl(profiles.get(name, profile), units, policy),
+                    "predicted_kl": predicted_kl(allocators.get(name, allocator).kl, policy_units, policy),
                     "quantize_seconds": seconds,
                     "second_pass": second_pass,
                     "even_margin": args.even_margin if second_pass else None,
-                    "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())}}
+                    "schemes": {s.label: sum(1 for v in policy.values() if v == s) for s in set(policy.values())},
+                    "head_bands": [policy[k].label for k in sorted(policy) if split_band_key(k)[1] is not None] or None}
             for data, tokens in texts.items():
                 r = evaluate(model, tokens, 512, reference=full.model, max_windows=args.windows, dataset=data,
                              progress=False, bos_token_id=bos, reference_cache=reference_cache)
@@ -186,6 +200,8 @@ def main() -> None:
                                      "calibration": args.text, "profiled": args.text,
                                      "held_out": args.text if args.text in texts else None,
                                      "profiles": {n: p.get("reused_from_cache") for n, p in profiles.items()},
+                                     "head_bands": not args.no_head_bands,
+                                     "head_band_min_bits": args.head_band_min_bits,
                                      "cells": list(cells.values())})
     rows = []
     for label in args.budgets:

@@ -38,7 +38,7 @@ def weights_only_setup(model: str, text_name: str):
     full = load_model(model, "fp32")
     text = load_text(text_name)
     profile = Profiler(full.model, full.tokenizer, text, text_name, ProfileConfig("awq")).run()
-    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1))
+    allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1), head_bands=False)  # SecondPass: one head unit
     second = SecondPass(full.model, full.tokenizer, text, ProfileConfig.from_dict(profile["config"]), allocator.units)
     return full, text, profile, allocator, second
 

@@ -48,8 +48,10 @@ def module_bytes(module: torch.nn.Module) -> int:
     total = 0
     for sub in module.modules():
         tensors = list(sub.parameters(recurse=False))
-        if hasattr(sub, "storage_bytes"):  # QuantLinear / QuantEmbedding
+        if hasattr(sub, "qweight"):  # QuantLinear / QuantEmbedding
             tensors += [t for t in (sub.qweight, sub.scales, sub.qzeros) if t is not None]
+        elif hasattr(sub, "band_of"):  # a banded head: its bands are QuantEmbeddings, its layout a byte a row
+            tensors.append(sub.band_of)
         for tensor in tensors:
             if tensor.data_ptr() in seen:
                 continue
@@ -63,7 +65,7 @@ def parameter_count(module: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for sub in module.modules():
-        if hasattr(sub, "storage_bytes"):  # QuantLinear / QuantEmbedding
+        if hasattr(sub, "qweight"):  # QuantLinear / QuantEmbedding (a banded head's bands among them)
             total += sub.in_features * sub.out_features
         for tensor in sub.parameters(recurse=False):
             if tensor.data_ptr() not in seen:

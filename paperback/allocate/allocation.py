@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass, field
 
 from paperback.allocate.candidates import Candidate, second_pass_candidates
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
-from paperback.allocate.units import (WeightUnit, fixed_weight_bytes, kv_layer_bytes, parse_kv_candidates,
-                                      parse_weight_candidates, pool_block_size, with_retention)
+from paperback.allocate.units import (HEAD_BAND_UNIT, HEAD_UNIT, WeightUnit, fixed_weight_bytes, head_band_units,
+                                      kv_layer_bytes, parse_kv_candidates, parse_weight_candidates, pool_block_size,
+                                      with_retention)
 from paperback.errors import PaperbackError
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import runtime_allowance
 from paperback.plan.shape import shape_from_config
+from paperback.quantization.head_bands import MIN_BAND_BITS, HeadBands, band_rows, decode_band_of, split_head_bands
 from paperback.quantization.scheme import QuantScheme
 
 
@@ -85,12 +87,25 @@ class Allocation:
 class Allocator:
     """Options and their bytes for one model and workload, from a profile's measured costs."""
 
-    def __init__(self, profile: dict, model, workload: Workload):
+    def __init__(self, profile: dict, model, workload: Workload, head_bands: bool = True,
+                 band_min_bits: int = MIN_BAND_BITS):
+        """head_bands: a tied head whose profile measured its bands of vocabulary rows is allocated band by
+        band (quantization.head_bands), each band at band_min_bits or more; False keeps it one unit."""
         self.profile, self.workload = profile, workload
+        self.band_min_bits = band_min_bits
         self.config: ModelConfig = model.config
         units = profile["weights"]["units"]
         self.units = [WeightUnit(u["name"], u["layer"], tuple(u["params"]), tuple(tuple(s) for s in u["shapes"]))
                       for u in units]
+        self.kl = dict(profile["weights"]["kl"])
+        self.band_of = None  # the head's band layout, when it is allocated in bands
+        bands = profile["weights"].get("head_bands")
+        head = next((u for u in self.units if u.name == HEAD_UNIT), None)
+        if head_bands and bands is not None and head is not None and self.config.tie_word_embeddings:
+            self.band_of = decode_band_of(bands["band_of"], self.config.vocab_size)
+            band_units = head_band_units(head, [len(r) for r in band_rows(self.band_of)])
+            self.units = [u for u in self.units if u is not head] + band_units
+            self.kl.update({u.name: bands["kl"][u.name.removeprefix(HEAD_UNIT + ".")] for u in band_units})
         self.schemes = {s.label: s for s in parse_weight_candidates(profile["weights"]["schemes"])}
         specs = profile["kv"]["specs"]
         self.formats = dict(zip(specs, parse_kv_candidates(specs, self.config)))
@@ -99,10 +114,27 @@ class Allocator:
         self.fixed_bytes = fixed_weight_bytes(model, self.units)
         self.runtime = runtime_allowance(shape_from_config(self.config, "", ""), users=workload.users).total
 
+    @property
+    def layout_bytes(self) -> int:
+        """What a head in bands stores beside its bands: a byte per token naming its band."""
+        return 0 if self.band_of is None else self.band_of.numel()
+
+    def quantize_schemes(self, schemes: dict[str, QuantScheme]) -> tuple[dict[str, QuantScheme], HeadBands | None]:
+        """A policy ({param or band key: scheme}, e.g. Allocation.layer_schemes) as QuantizeConfig takes it:
+        the per-layer schemes and the head's bands (None when the head is one unit)."""
+        return split_head_bands(schemes, self.band_of)
+
     def weight_groups(self, allowed: set[str] | None = None) -> list[Group]:
-        kl = self.profile["weights"]["kl"]
+        """Each weight unit's options; a head band's only from band_min_bits up (quantization.head_bands)."""
+        kl = self.kl
+
+        def offered(unit: WeightUnit, label: str, scheme: QuantScheme) -> bool:
+            if allowed is not None and label not in allowed:
+                return False
+            return not unit.name.startswith(HEAD_BAND_UNIT) or scheme.bits >= self.band_min_bits
+
         return [Group(u.name, tuple(Option(label, u.bytes_for(s), kl[u.name][label])
-                                    for label, s in self.schemes.items() if allowed is None or label in allowed))
+                                    for label, s in self.schemes.items() if offered(u, label, s)))
                 for u in self.units]
 
     def kv_cost(self, layer: int, spec: str, variant: str | None = None) -> float:
@@ -189,7 +221,7 @@ class Allocator:
         `evict`, any layer may also evict at each measured window; with `retrieval_kl`, only options that
         keep a long-range lookup within it (`kv_groups`)."""
         groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
-        return self._allocation(self.solve_exactly(groups, self.capacity()))
+        return self._allocation(self.solve_exactly(groups, self.capacity() - self.layout_bytes))
 
     def candidates(self, count: int, weight_options: set[str] | None = None, kv_options: set[str] | None = None,
                    evict: bool = False, retrieval_kl: float | None = None) -> list[Candidate]:
@@ -199,7 +231,7 @@ class Allocator:
         groups = self.weight_groups(weight_options) + self.kv_groups(kv_options, evict, retrieval_kl)
         if min_bytes(groups) > self.capacity():  # refused naming the nearest feasible point, as allocate does
             raise InfeasibleBudget(self.infeasible_message(groups))
-        return second_pass_candidates(groups, self.capacity(), count)
+        return second_pass_candidates(groups, self.capacity(), count, self.layout_bytes)
 
     def allocation_of(self, candidate: Candidate) -> Allocation:
         return self._allocation(candidate.chosen)
@@ -218,7 +250,7 @@ class Allocator:
         """Predicted KL of the best allocation at budgets from the least that fits to the most any option
         takes (the curve a report draws, the breakdown point comes from): [{memory, predicted_kl, ...}]."""
         groups = self.weight_groups() + self.kv_groups()
-        fixed = self.runtime + self.fixed_bytes
+        fixed = self.runtime + self.fixed_bytes + self.layout_bytes
         low = fixed + min_bytes(groups)
         high = fixed + sum(max(o.bytes for o in g.options) for g in groups)
         curve = []
@@ -246,6 +278,8 @@ class Allocator:
         weights = {u.name: chosen[u.name].label for u in self.units}
         kv = {i: chosen[f"kv.{i}"].label for i in range(self.config.num_layers)}
         unit_bytes = sum(chosen[u.name].bytes for u in self.units)
+        if len({chosen[u.name].label for u in self.units if u.name.startswith(HEAD_BAND_UNIT)}) > 1:
+            unit_bytes += self.layout_bytes  # bands at one scheme are stored as a plain head, with no layout
         kv_bytes = sum(chosen[f"kv.{i}"].bytes for i in range(self.config.num_layers))
         numel = sum(u.numel for u in self.units)
         weight_kl = sum(chosen[u.name].cost for u in self.units)
@@ -254,6 +288,17 @@ class Allocator:
                           self.runtime, self.workload.memory, 8 * unit_bytes / numel,
                           {"weights_kl": weight_kl, "kv_kl": kv_kl, "fixed_weight_bytes": self.fixed_bytes,
                            "block_size": self.block_size})
+
+
+def head_label(weights: dict[str, str]) -> str | None:
+    """The output head's scheme in an allocation's {unit: label}: one label, or its bands' (most used first)."""
+    if HEAD_UNIT in weights:
+        return weights[HEAD_UNIT]
+    bands = sorted((int(name.removeprefix(HEAD_BAND_UNIT)), label) for name, label in weights.items()
+                   if name.startswith(HEAD_BAND_UNIT))
+    if not bands:
+        return None
+    return "in bands of vocabulary rows, most used first: " + ", ".join(label for _, label in bands)
 
 
 def breakdown_point(curve: list[dict], max_kl: float) -> dict | None:

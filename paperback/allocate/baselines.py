@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from paperback.allocate.units import WeightUnit, quantized_bytes
 from paperback.errors import PaperbackError
+from paperback.quantization.head_bands import split_band_key
 from paperback.quantization.scheme import QuantScheme
 
 
@@ -31,7 +32,13 @@ def param_shapes(units: list[WeightUnit]) -> dict[str, tuple[int, int]]:
 
 
 def policy_bytes(shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantScheme]) -> int:
-    return sum(quantized_bytes(schemes[p], *shapes[p]) for p in shapes)
+    """Bytes of a policy as a checkpoint stores it: a head in bands of more than one scheme also stores its
+    layout, a byte per vocabulary row (one scheme in every band is stored as a plain head)."""
+    total = sum(quantized_bytes(schemes[p], *shapes[p]) for p in shapes)
+    bands = [p for p in shapes if split_band_key(p)[1] is not None]
+    if len({schemes[p] for p in bands}) > 1:
+        total += sum(shapes[p][0] for p in bands)
+    return total
 
 
 def uniform_policy(units: list[WeightUnit], scheme: QuantScheme) -> dict[str, QuantScheme]:

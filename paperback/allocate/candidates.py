@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
-from paperback.allocate.units import HEAD_UNIT
+from paperback.allocate.units import HEAD_BAND_UNIT, HEAD_UNIT
 
 # Solutions by head scheme kept by default: the solve's own choice and the next head scheme by prediction (on
 # Gemma 3 at the W4 g64 budget the second is 0.007 nats behind by prediction and level when measured; the rest
@@ -42,9 +42,13 @@ class Candidate:
                 "bytes": sum(o.bytes for o in self.chosen.values())}
 
 
-def head_candidates(groups: list[Group], capacity: float, count: int = DEFAULT_CANDIDATES) -> list[Candidate]:
+def head_candidates(groups: list[Group], capacity: float, count: int = DEFAULT_CANDIDATES,
+                    layout_bytes: int = 0) -> list[Candidate]:
     """The exact solve with the head held at each of its options, best `count` by predicted KL first (the
-    first is the unconstrained optimum). Without a head unit, the one solve."""
+    first is the unconstrained optimum). Without a head unit, the one solve. A head in bands
+    (`banded_candidates`) pays `layout_bytes` for its layout."""
+    if any(g.name.startswith(HEAD_BAND_UNIT) for g in groups):
+        return banded_candidates(groups, capacity, count, layout_bytes)
     head = next((g for g in groups if g.name == HEAD_UNIT), None)
     if head is None or count <= 1:
         chosen = solve(groups, capacity)
@@ -61,6 +65,35 @@ def head_candidates(groups: list[Group], capacity: float, count: int = DEFAULT_C
     if not candidates:
         raise InfeasibleBudget("no scheme of the output head leaves room for the rest")
     return sorted(candidates, key=lambda c: c.predicted)[:count]
+
+
+def banded_candidates(groups: list[Group], capacity: float, count: int, layout_bytes: int) -> list[Candidate]:
+    """With the head in bands of vocabulary rows: the solve with every band free (the layout's bytes paid),
+    then the solves with every band held at one scheme (a plain head, no layout), best `count` by predicted
+    KL, the free solve first."""
+    bands = {g.name for g in groups if g.name.startswith(HEAD_BAND_UNIT)}
+    candidates = []
+    try:
+        chosen = solve(groups, capacity - layout_bytes)
+        candidates.append(Candidate("head in bands", chosen, sum(o.cost for o in chosen.values())))
+    except InfeasibleBudget:
+        pass
+    if count > 1 or not candidates:
+        labels = set.intersection(*({o.label for o in g.options} for g in groups if g.name in bands))
+        plain = []
+        for label in sorted(labels):
+            held = [Group(g.name, tuple(o for o in g.options if o.label == label)) if g.name in bands else g
+                    for g in groups]
+            try:
+                chosen = solve(held, capacity)
+            except InfeasibleBudget:
+                continue
+            plain.append(Candidate(f"head {label}", chosen, sum(o.cost for o in chosen.values())))
+        known = [c.labels() for c in candidates]
+        candidates += [c for c in sorted(plain, key=lambda c: c.predicted) if c.labels() not in known]
+    if not candidates:
+        raise InfeasibleBudget("no scheme of the output head leaves room for the rest")
+    return candidates[:max(count, 1)]
 
 
 def even_weight_candidate(groups: list[Group], capacity: float) -> Candidate | None:
@@ -85,10 +118,12 @@ def even_weight_candidate(groups: list[Group], capacity: float) -> Candidate | N
     return best
 
 
-def second_pass_candidates(groups: list[Group], capacity: float, count: int = DEFAULT_CANDIDATES) -> list[Candidate]:
+def second_pass_candidates(groups: list[Group], capacity: float, count: int = DEFAULT_CANDIDATES,
+                           layout_bytes: int = 0) -> list[Candidate]:
     """What the second pass measures: the best `count` solves by head scheme, and the best even-bits solve
-    (unless it is one of them). With count 1, the solve alone, unmeasured."""
-    candidates = head_candidates(groups, capacity, count)
+    (unless it is one of them). With count 1, the solve alone, unmeasured. `layout_bytes`: what a head in
+    bands pays for its layout."""
+    candidates = head_candidates(groups, capacity, count, layout_bytes)
     if count <= 1:
         return candidates
     even = even_weight_candidate(groups, capacity)

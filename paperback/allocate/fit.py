@@ -46,6 +46,8 @@ class FitConfig:
     candidates: int = DEFAULT_CANDIDATES
     # How much lower (a fraction) a mix's measured KL must be than even bits' for the mix to be written.
     even_margin: float = EVEN_MARGIN
+    # A tied head allocated by bands of vocabulary rows (quantization.head_bands), when the profile has them.
+    head_bands: bool = True
 
     def to_dict(self) -> dict:
         return {**asdict(self), "profile": self.profile.to_dict()}
@@ -106,7 +108,7 @@ class Fit:
         if self.profile is None:
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
-        allocator = Allocator(self.profile, self.lm.model, self.config.workload)
+        allocator = Allocator(self.profile, self.lm.model, self.config.workload, self.config.head_bands)
         t0 = time.perf_counter()
         allocation, second_pass, summary = self._allocate_and_quantize(allocator)
         self.seconds["second_pass_and_quantize"] = time.perf_counter() - t0
@@ -160,9 +162,10 @@ class Fit:
     def _quantize_config(self, allocation: Allocation, allocator: Allocator) -> QuantizeConfig:
         cfg = self.config
         targets = BLOCK_LINEARS + (("head",) if any(u.layer is None for u in allocator.units) else ())
-        schemes = allocation.layer_schemes(allocator.units)
+        schemes, head_bands = allocator.quantize_schemes(allocation.layer_schemes(allocator.units))
         return QuantizeConfig(cfg.profile.method, next(iter(schemes.values())),
-                              awq=AWQConfig(search_samples=cfg.calib_samples), targets=targets, layer_schemes=schemes)
+                              awq=AWQConfig(search_samples=cfg.calib_samples), targets=targets, layer_schemes=schemes,
+                              head_bands=head_bands)
 
     def _evaluate(self, reference_lm, allocation: Allocation) -> dict:
         from paperback.evaluation.needle import run_needles

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from paperback.allocate.head_band_profile import measure_head_bands, random_band_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
 from paperback.allocate.quantized_units import EffectiveWeight, quantized_blocks, unit_weights
@@ -56,6 +57,7 @@ from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.model_pass import METHODS
+from paperback.quantization.head_bands import BandedWeight, band_rows, decode_band_of
 from paperback.quantization.rtn import quantize_rtn
 
 PROFILE_FORMAT = "paperback-profile"
@@ -68,6 +70,7 @@ EXACT_VARIANTS = {"sinks": (RETENTION_SINK, 0), "sinks_short_recent": (RETENTION
 # AWQ's searches at profiling size: a sensitivity needs the scheme's error, not the last 1% of it.
 PROFILE_AWQ = AWQConfig(grid=10, clip_grid=10, clip_tokens=256, search_tokens=512)
 HEAD_TOKENS = 2048
+HEAD_BAND_CHECKS = 8  # random banded heads measured whole against their summed band costs
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ class Profiler:
             for part in ("weights", "kv"):
                 self.data[part]["kl"] = saved.get(part, {}).get("kl", {})
             self.data["weights"]["head_tokens"] = saved.get("weights", {}).get("head_tokens")
+            if saved.get("weights", {}).get("head_bands") is not None:
+                self.data["weights"]["head_bands"] = saved["weights"]["head_bands"]
             self.data["kv"]["long"] = saved.get("kv", {}).get("long")
             self.data["additivity"] = saved.get("additivity")
             self.data["retention"] = saved.get("retention")
@@ -300,7 +305,8 @@ class Profiler:
         finished = self._finished()
         if finished is not None and (self._retention_todo(finished.get("retention")) > 0
                                      or self._retrieval_todo(finished.get("retrieval"))
-                                     or self._head_todo(finished["weights"])):
+                                     or self._head_todo(finished["weights"])
+                                     or self._head_bands_todo(finished["weights"])):
             # A profile from before (some of) retention or retrieval was measured, or before the head was
             # measured on head_tokens positions: add that part, keep the rest.
             reused = finished.pop("reused_from_cache")
@@ -308,6 +314,8 @@ class Profiler:
             if self._head_todo(finished["weights"]):
                 self._head()
                 self._repredict_additivity()
+                finished["weights"].pop("head_bands", None)  # priced against the head's old cells
+            self._head_bands()
             self._retention()
             self._retrieval()
             _atomic_write(self.complete_path, self.data)
@@ -336,6 +344,7 @@ class Profiler:
         self._retrieval()
         self._check_estimates(weight_probe, probe)
         self._additivity(weight_probe, probe)
+        self._head_bands()
         self.data["complete"] = True
         _atomic_write(self.complete_path, self.data)
         self.partial_path.unlink(missing_ok=True)
@@ -407,6 +416,46 @@ class Profiler:
                 bar.update()
             self._save_partial()
         self._timed("head", t0)
+
+    def _head_bands_todo(self, weights: dict) -> bool:
+        """Whether a tied head's band cells (or their check) are missing."""
+        bands = weights.get("head_bands")
+        return (self.model.lm_head is None and any(u.name == HEAD_UNIT for u in self.units)
+                and (bands is None or bands.get("check") is None))
+
+    def _head_bands(self) -> None:
+        """Cells of the tied head's bands of vocabulary rows (allocate.head_band_profile), then the check:
+        random banded heads measured whole against the sum of their bands' cells."""
+        weights = self.data["weights"]
+        if not self._head_bands_todo(weights):
+            return
+        t0 = time.perf_counter()
+        param = next(u for u in self.units if u.name == HEAD_UNIT).params[0]
+        if weights.get("head_bands") is None:
+            weights["head_bands"] = measure_head_bands(self.model, param, self.text.head_windows, self.schemes,
+                                                       weights["kl"][HEAD_UNIT], self.progress)
+            self._timed("head bands", t0)
+            self._save_partial()
+            t0 = time.perf_counter()
+        bands = weights["head_bands"]
+        weight = dict(self.model.named_parameters())[param].detach()
+        band_of = decode_band_of(bands["band_of"], weight.shape[0])
+        rows = band_rows(band_of)
+        by_label = {s.label: s for s in self.schemes}
+        probe = ReferenceProbe(self.model, self.text.head_windows, self.config.kv_chunk)
+        samples = []
+        for picks in tqdm(random_band_assignments(self.schemes, len(rows), HEAD_BAND_CHECKS, self.config.seed),
+                          desc="profile head band check", unit="sample", disable=None if self.progress else True,
+                          leave=False):
+            banded = BandedWeight(band_of, [quantize_rtn(weight[r], by_label[label]) for r, label in zip(rows, picks)])
+            with swapped_weights(self.model, {param: banded.dequantize()}):
+                measured = probe.kl_full()
+            predicted = sum(bands["kl"][f"band{b}"][label] for b, label in enumerate(picks))
+            samples.append({"kind": "head bands", "predicted": predicted, "measured": measured,
+                            "weights": {f"band{b}": label for b, label in enumerate(picks)}, "kv": {}})
+        bands["check"] = additivity_summary(samples)
+        self._timed("head bands", t0)
+        self._save_partial()
 
     def _unit_cells(self, unit: WeightUnit, probe: ReferenceProbe, done: dict[str, float]) -> dict[str, float]:
         """{scheme label: KL} of a block unit: each measured, or anchored (one measured, the rest estimated)."""
@@ -782,6 +831,15 @@ def load_profile(path: Path, model=None) -> dict:
             for options in table.values():
                 if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in options.values()):
                     raise ValueError("a sensitivity is not a finite number")
+        bands = data["weights"].get("head_bands")
+        if bands is not None:
+            if set(bands["kl"]) != {f"band{b}" for b in range(len(bands["sizes"]))} or \
+                    not isinstance(bands["band_of"], str):
+                raise KeyError("weights.head_bands does not cover every band")
+            for options in bands["kl"].values():
+                if set(options) != set(data["weights"]["schemes"]) or \
+                        not all(isinstance(v, (int, float)) and math.isfinite(v) for v in options.values()):
+                    raise ValueError("a head band's sensitivities do not cover the schemes as finite numbers")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PaperbackError(f"profile {path} is malformed ({exc})") from None
     if model is not None and data["model"].get("fingerprint") != model_fingerprint(model):

@@ -14,6 +14,7 @@ import html
 import io
 from pathlib import Path
 
+from paperback.allocate.allocation import head_label
 from paperback.allocate.fit import needle_score
 from paperback.allocate.units import BLOCK_UNITS
 from paperback.kv.schemes import parse_kv_scheme
@@ -161,7 +162,7 @@ def render_report(result: dict, profile: dict) -> str:
     parts += ["<h2>Per layer</h2>",
               f'<img src="{_layers_plot(result, profile["weights"]["schemes"], profile["kv"]["specs"])}" '
               'alt="per-layer choices">']
-    head = a["weights"].get("head")
+    head = head_label(a["weights"])
     token_layers = (result.get("tokens") or {}).get("layers") or []
     header = ["layer", *BLOCK_UNITS, "KV format", "retention", "sink mass", "recent mass", "middle mass"]
     table_rows = []

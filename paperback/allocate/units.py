@@ -17,6 +17,7 @@ from paperback.kv.families import DEFAULT_CANDIDATES
 from paperback.kv.schemes import KVScheme, layer_retention, paged_block_size, parse_kv_scheme
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import parse_weight_scheme
+from paperback.quantization.head_bands import band_key, split_band_key
 from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM
 from paperback.quantization.packing import packed_row_bytes
 from paperback.quantization.scheme import QuantScheme
@@ -29,6 +30,7 @@ BLOCK_UNITS = {
     "mlp_down": ("mlp.down_proj",),
 }
 HEAD_UNIT = "head"
+HEAD_BAND_UNIT = "head.band"  # a tied head's bands of vocabulary rows: "head.band0" ... (quantization.head_bands)
 FULL_PRECISION_LABEL = "fp16"  # an unquantized option, counted at 16 bits
 DEFAULT_WEIGHT_SCHEMES = ("W8s-ch", "W4a-g128", "W4a-g64", "W3a-g128", "W3a-g64", "W2a-g64")
 DEFAULT_KV_FORMATS = DEFAULT_CANDIDATES  # each KV family names its own (paperback.kv.families)
@@ -36,9 +38,9 @@ DEFAULT_KV_FORMATS = DEFAULT_CANDIDATES  # each KV family names its own (paperba
 
 @dataclass(frozen=True)
 class WeightUnit:
-    name: str  # "layers.3.mlp_down" or "head"
+    name: str  # "layers.3.mlp_down", "head" or "head.band3"
     layer: int | None  # None for the head
-    params: tuple[str, ...]  # parameter names of the linears it holds
+    params: tuple[str, ...]  # parameter names of the linears it holds (a head band: band_key(param, b))
     shapes: tuple[tuple[int, int], ...]  # (out, in) of each
 
     @property
@@ -50,6 +52,18 @@ class WeightUnit:
         if scheme is None:
             return 2 * self.numel
         return sum(quantized_bytes(scheme, o, i) for o, i in self.shapes)
+
+
+def is_head(name: str) -> bool:
+    """The head unit or one of its bands."""
+    return name == HEAD_UNIT or name.startswith(HEAD_BAND_UNIT)
+
+
+def head_band_units(head: WeightUnit, sizes: list[int]) -> list[WeightUnit]:
+    """The head unit split into bands of `sizes` rows (head_bands.band_sizes), in band order."""
+    (param,), ((_, hidden),) = head.params, head.shapes
+    return [WeightUnit(f"{HEAD_BAND_UNIT}{b}", None, (band_key(param, b),), ((rows, hidden),))
+            for b, rows in enumerate(sizes)]
 
 
 def quantized_bytes(scheme: QuantScheme, out_features: int, in_features: int) -> int:
@@ -85,7 +99,7 @@ FIXED_TENSOR_BYTES = 4
 def fixed_weight_bytes(model, units: list[WeightUnit]) -> int:
     """Bytes no allocation changes, as a checkpoint stores them (FIXED_TENSOR_BYTES per value): every
     parameter outside the units (norms, biases, an untied embedding), each tensor counted once."""
-    allocated = {p for u in units for p in u.params}
+    allocated = {split_band_key(p)[0] for u in units for p in u.params}
     seen: set[int] = set()
     total = 0
     for name, tensor in model.named_parameters():

@@ -21,7 +21,8 @@ def register(sub) -> None:
     p = sub.add_parser("fit", help="fit a model into a memory budget: profile, allocate bits, quantize, evaluate",
                        description="Given a memory budget and a workload (context x users), measure where bits "
                                    "matter on your text (`paperback profile`, cached), choose each weight unit's "
-                                   "scheme and each layer's KV format to minimise the predicted KL within the "
+                                   "scheme (a tied head's per band of vocabulary rows, most used tokens first) "
+                                   "and each layer's KV format to minimise the predicted KL within the "
                                    "budget (an exact solve; the best solutions by output-head scheme are then "
                                    "measured whole), quantize into one checkpoint that carries its KV policy (so "
                                    "`serve DIR` and `eval DIR` use it with no flags), and evaluate it on the "
@@ -64,6 +65,9 @@ def register(sub) -> None:
     p.add_argument("--even-margin", type=float, default=EVEN_MARGIN,
                    help="how much lower (a fraction) a mix's measured KL must be than even bits' to be written "
                         f"instead: the profiled text flatters the mix chosen on it (default {EVEN_MARGIN})")
+    p.add_argument("--no-head-bands", action="store_true",
+                   help="give a tied output head one scheme instead of one per band of vocabulary rows (bands are "
+                        "paperback's own layout: GGUF export needs a head of one scheme)")
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     config = FitConfig(workload, args.text, profile, args.calib_samples, args.eval_context, args.eval_windows,
                        () if args.no_needles else _depths(args.needle_depths), breakdown_kl=args.breakdown_kl,
                        evict=args.evict, retrieval_kl=_retrieval_kl(args.retrieval_kl, args.evict),
-                       candidates=args.candidates, even_margin=args.even_margin)
+                       candidates=args.candidates, even_margin=args.even_margin, head_bands=not args.no_head_bands)
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)
@@ -152,6 +156,7 @@ def _mib(n: float) -> str:
 
 
 def _print(result: dict) -> None:
+    from paperback.allocate.allocation import head_label
     from paperback.allocate.fit import needle_score
 
     a = result["allocation"]
@@ -173,7 +178,7 @@ def _print(result: dict) -> None:
                 ["", "full model", "fitted"], rows)
     layers = result["layers"]
     cols = [k for k in layers[0] if k != "layer"]
-    head = result["allocation"]["weights"].get("head")
+    head = head_label(result["allocation"]["weights"])
     print_table("per layer" + (f" (head: {head})" if head else ""), ["layer", *cols],
                 [[row["layer"], *(row[c] for c in cols)] for row in layers])
     add = result.get("additivity")

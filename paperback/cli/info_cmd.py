@@ -61,6 +61,7 @@ def _quantization(lm) -> dict | None:
     """Method, schemes and exact bits per weight of a paperback checkpoint's packed layers."""
     from paperback.plan.arithmetic import checkpoint_weight_bytes
     from paperback.quantization.checkpoint import quantized_layers, read_recipe
+    from paperback.quantization.head_bands import split_band_key
 
     if lm.source.kind != "paperback":
         return None
@@ -68,9 +69,13 @@ def _quantization(lm) -> dict | None:
     layers = quantized_layers(recipe)
     bits = weights = 0
     for name, scheme in layers.items():
-        module = lm.model.get_submodule(name.removesuffix(".weight"))
+        param, band = split_band_key(name)
+        module = lm.model.get_submodule(param.removesuffix(".weight"))
+        if band is not None:  # a head stored in bands of vocabulary rows
+            module = module.bands[band]
         bits += scheme.storage_bits(module.out_features, module.in_features)
         weights += module.out_features * module.in_features
     return {"method": recipe.get("method"), "schemes": ", ".join(sorted({s.label for s in layers.values()})),
-            "layers": len(layers), "bits_per_weight": bits / weights if weights else 0.0,
+            "layers": len({split_band_key(name)[0] for name in layers}),
+            "bits_per_weight": bits / weights if weights else 0.0,
             "stored_bytes": checkpoint_weight_bytes(lm.source.path)[1].total, "kv_policy": recipe.get("kv_policy")}

@@ -20,8 +20,8 @@ def register(sub) -> None:
     p = sub.add_parser("profile", help="measure each weight unit's and KV layer's sensitivity (a profile for fit)",
                        description="Measure, on the leading half of a text, the KL divergence to the full model "
                                    "when one weight unit alone is quantized (each block's q/k/v, o, gate/up, down "
-                                   "and the head, per candidate scheme) and when one layer alone stores its KV cache "
-                                   "in a format; where each layer's attention goes (sinks, recent window, middle); "
+                                   "and the head, per candidate scheme; a tied head also per band of vocabulary rows "
+                                   "ranked by use) and when one layer alone stores its KV cache in a format; where each layer's attention goes (sinks, recent window, middle); "
                                    "and how well the summed costs predict the measured KL of mixed assignments. "
                                    "Resumable: an interrupted run continues where it stopped; a finished profile "
                                    "for the same model, text and settings is reused.")

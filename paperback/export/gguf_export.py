@@ -132,6 +132,11 @@ def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: 
                              "the tokenizer and chat template of the GGUF file a checkpoint came from, and that "
                              "file is not here (export from a Hugging Face source is not built yet)")
     lm = load_model(str(checkpoint), "fp32", with_tokenizer=False)
+    banded = [n for n, m in lm.model.named_modules() if hasattr(m, "band_of")]
+    if banded:
+        raise PaperbackError(f"{checkpoint} stores {banded[0]} in bands of vocabulary rows at different schemes "
+                             "(paperback's own layout); a GGUF tensor has one type. Fit again with "
+                             "--no-head-bands to export it as GGUF")
     config = lm.config
     reader = gguf.GGUFReader(source)
     arch_name = str(reader.fields["general.architecture"].contents())

@@ -51,7 +51,10 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
         raise PaperbackError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     lm = load_model(str(checkpoint), "fp32", with_tokenizer=(checkpoint / "tokenizer.json").is_file())
     model, torch_dtype = lm.model, DTYPES[dtype]
-    packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    # A banded head (paperback's own layout) is written as the dense embedding it decodes to, as embeddings are.
+    banded = {n: m for n, m in model.named_modules() if hasattr(m, "band_of")}
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)
+              and not any(n.startswith(b + ".") for b in banded)}
     linears = {n: m for n, m in packed.items() if not isinstance(m, QuantEmbedding)}
     if fmt.one_scheme and linears:
         blocks = {m.scheme for n, m in linears.items() if n != "lm_head"}
@@ -76,6 +79,8 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
             state[f"{name}.weight"] = q.dequantize(torch.float32).to(torch_dtype)
             if module.bias is not None:
                 state[f"{name}.bias"] = module.bias.detach().to(torch_dtype)
+    for name, module in banded.items():
+        state[f"{name}.weight"] = module.dequantized_weight(torch.float32).to(torch_dtype)
     for name, param in model.named_parameters():
         if name.rpartition(".")[0] not in packed:
             state[name] = param.detach().to(torch_dtype).contiguous()

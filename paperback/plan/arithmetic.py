@@ -88,7 +88,7 @@ def checkpoint_weight_bytes(directory: Path, other_bits: int | None = None) -> t
                 numel = math.prod(tensor.get_shape())
                 if name.endswith(".qweight"):
                     codes += numel * SAFETENSORS_ITEMSIZE[tensor.get_dtype()]
-                elif name.endswith((".scales", ".qzeros")):
+                elif name.endswith((".scales", ".qzeros", ".band_of")):  # a banded head's layout: a byte a token
                     overhead += numel * SAFETENSORS_ITEMSIZE[tensor.get_dtype()]
                 else:
                     other += numel * (SAFETENSORS_ITEMSIZE[tensor.get_dtype()] if other_bits is None

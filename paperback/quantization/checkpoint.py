@@ -24,6 +24,7 @@ import torch
 from paperback import __version__
 from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
 from paperback.models import DecoderLM, ModelConfig, RopeConfig
+from paperback.quantization.head_bands import BandedQuantEmbedding, BandedWeight, band_key, split_band_key
 from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
 from paperback.quantization.scheme import QuantScheme
 
@@ -49,8 +50,12 @@ def _replace_linear(model: DecoderLM, param_name: str, make) -> None:
 
 
 def swap_in_quantized(model: DecoderLM, quantized: dict) -> DecoderLM:
-    """Replace nn.Linear modules named in `quantized` ({param name: QuantizedWeight}) by QuantLinear."""
+    """Replace nn.Linear modules named in `quantized` ({param name: QuantizedWeight}) by QuantLinear (a
+    BandedWeight's embedding by a BandedQuantEmbedding)."""
     for param_name, q in quantized.items():
+        if isinstance(q, BandedWeight):
+            _replace_linear(model, param_name, lambda old, q=q: BandedQuantEmbedding.from_banded(q))
+            continue
         cls = _packed_class(param_name)
         _replace_linear(model, param_name, lambda old, q=q, cls=cls: cls.from_quantized(q, getattr(old, "bias", None)))
     return model
@@ -169,33 +174,73 @@ def config_from_recipe(recipe: dict, path: Path) -> ModelConfig:
         raise ModelFileError(f"{path / RECIPE_FILE}: malformed model_config ({exc})") from None
 
 
+def _scheme(fields, what: str) -> QuantScheme:
+    if not isinstance(fields, dict) or type(fields.get("bits")) is not int or \
+            type(fields.get("group_size")) not in (int, type(None)) or \
+            type(fields.get("symmetric", False)) is not bool:
+        raise TypeError(f"{what} {fields!r} needs an integer 'bits', an integer or null 'group_size' and "
+                        f"a boolean 'symmetric'")
+    return QuantScheme(**fields)
+
+
 def quantized_layers(recipe: dict) -> dict[str, QuantScheme]:
-    """{param name: scheme} of the layers stored packed; a malformed entry is a ModelFileError naming it."""
+    """{param name: scheme} of the layers stored packed, a banded head's bands as `band_key(name, b)`; a
+    malformed entry is a ModelFileError naming it."""
     layers = recipe.get("layers", {})
     if not isinstance(layers, dict):
         raise ModelFileError(f"{RECIPE_FILE}: 'layers' is not an object")
     schemes = {}
     for name, layer in layers.items():
         try:
-            fields = layer["scheme"]
-            if not isinstance(fields, dict) or type(fields.get("bits")) is not int or \
-                    type(fields.get("group_size")) not in (int, type(None)) or \
-                    type(fields.get("symmetric", False)) is not bool:
-                raise TypeError(f"scheme {fields!r} needs an integer 'bits', an integer or null 'group_size' and "
-                                f"a boolean 'symmetric'")
-            schemes[name] = QuantScheme(**fields)
+            if isinstance(layer, dict) and "bands" in layer:
+                bands = layer["bands"]
+                if not isinstance(bands, list) or not name.endswith("embed_tokens.weight"):
+                    raise TypeError("only the embedding may be banded, as a list of bands")
+                for b, band in enumerate(bands):
+                    schemes[band_key(name, b)] = _scheme(band["scheme"], f"band {b} scheme")
+            else:
+                schemes[name] = _scheme(layer["scheme"], "scheme")
         except (KeyError, TypeError, ValueError, PaperbackError) as exc:
             raise ModelFileError(f"{RECIPE_FILE}: layer '{name}' has a malformed scheme ({exc})") from None
     return schemes
 
 
+def _band_sizes(recipe: dict, name: str) -> list[int]:
+    sizes = [band.get("rows") for band in recipe["layers"][name]["bands"]]
+    if not all(type(n) is int and n >= 0 for n in sizes):
+        raise ModelFileError(f"{RECIPE_FILE}: layer '{name}' has a band without a row count")
+    return sizes
+
+
 def prepare_quantized_model(model: DecoderLM, recipe: dict) -> DecoderLM:
     """Swap meta-device Linear modules for empty QuantLinear shells before loading a checkpoint."""
-    for param_name, scheme in quantized_layers(recipe).items():
+    banded: dict[str, dict[int, QuantScheme]] = {}
+    for key, scheme in quantized_layers(recipe).items():
+        param_name, band = split_band_key(key)
+        if band is not None:
+            banded.setdefault(param_name, {})[band] = scheme
+            continue
+
         def shell(old, scheme=scheme, cls=_packed_class(param_name)):
             out_features, in_features = old.weight.shape
             with torch.device("meta"):
                 return cls(in_features, out_features, scheme, getattr(old, "bias", None) is not None)
 
         _replace_linear(model, param_name, shell)
+    for param_name, bands in banded.items():
+        sizes = _band_sizes(recipe, param_name)
+        schemes = tuple(bands[b] for b in range(len(bands)))
+
+        def banded_shell(old, sizes=sizes, schemes=schemes, name=param_name):
+            vocab, in_features = old.weight.shape
+            if sum(sizes) != vocab:
+                raise ModelFileError(f"{RECIPE_FILE}: the bands of '{name}' hold {sum(sizes)} rows, the "
+                                     f"vocabulary {vocab}")
+            with torch.device("meta"):
+                try:
+                    return BandedQuantEmbedding(sizes, in_features, schemes)
+                except PaperbackError as exc:
+                    raise ModelFileError(f"{RECIPE_FILE}: layer '{name}': {exc}") from None
+
+        _replace_linear(model, param_name, banded_shell)
     return model

@@ -20,6 +20,7 @@ from paperback.errors import PaperbackError
 from paperback.models import DecoderLM
 from paperback.quantization.awq import AWQConfig, awq_block
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
+from paperback.quantization.head_bands import BandedWeight, HeadBands, quantize_banded
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 from paperback.quantization.scheme import QuantScheme
 
@@ -77,6 +78,9 @@ class QuantizeConfig:
     # Per-layer schemes by parameter name ("model.layers.3.mlp.down_proj.weight", EMBED_PARAM, HEAD_PARAM),
     # overriding `scheme`: a mixed-precision checkpoint, as an allocation chooses it.
     layer_schemes: dict[str, QuantScheme] = field(default_factory=dict)
+    # A tied head quantized in bands of vocabulary rows, each at its own scheme (quantization.head_bands);
+    # it overrides layer_schemes for the embedding.
+    head_bands: HeadBands | None = None
 
     def __post_init__(self):
         if self.forward_dtype not in ("auto", "fp32", "bf16"):
@@ -86,6 +90,8 @@ class QuantizeConfig:
         unknown = set(self.targets) - set(BLOCK_LINEARS) - set(EDGE_TARGETS)
         if unknown:
             raise PaperbackError(f"unknown target modules: {', '.join(sorted(unknown))}")
+        if self.head_bands is not None and not set(EDGE_TARGETS) & set(self.targets):
+            raise PaperbackError("head bands were given but neither the head nor the embedding is quantized")
 
     def scheme_for(self, param_name: str) -> QuantScheme:
         return self.layer_schemes.get(param_name, self.scheme)
@@ -139,10 +145,21 @@ def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torc
             return gptq_quantize(weight, head_hessian, scheme, config.gptq)
         return quantize_rtn(weight, scheme)
 
+    bands = config.head_bands
+    if bands is not None and model.lm_head is not None:
+        raise PaperbackError("head bands apply to a tied embedding; this model has its own output head")
     if model.lm_head is None:  # tied: one matrix serves both
         module, name = model.model.embed_tokens, EMBED_PARAM
         scheme = config.layer_schemes.get(HEAD_PARAM, config.scheme_for(EMBED_PARAM))
-        q = quantize(module.weight, "head" in wanted, scheme)
+        if bands is not None and bands.uniform is not None:  # one scheme in every band: the plain head
+            bands, scheme = None, bands.uniform
+        if bands is not None:
+            if bands.band_of.numel() != module.weight.shape[0]:
+                raise PaperbackError(f"the head band layout covers {bands.band_of.numel()} tokens, the "
+                                     f"vocabulary {module.weight.shape[0]}")
+            q = quantize_banded(module.weight, bands, lambda rows, s: quantize(rows, "head" in wanted, s))
+        else:
+            q = quantize(module.weight, "head" in wanted, scheme)
         _set_weight(module, q)
         results[name] = q
         return
@@ -154,7 +171,7 @@ def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torc
         _set_weight(model.model.embed_tokens, q)
 
 
-def _set_weight(module: nn.Linear, q: QuantizedWeight) -> None:
+def _set_weight(module: nn.Linear, q: QuantizedWeight | BandedWeight) -> None:
     module.weight.data = q.dequantize(module.weight.dtype)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
+from paperback.quantization.head_bands import BandedWeight
 from paperback.quantization.model_pass import METHODS, QuantizeConfig, autocast_dtype, quantize_model
 
 
@@ -38,11 +39,22 @@ def save_quantized(lm, config: QuantizeConfig, calibration: CalibrationConfig | 
         "modules": list(config.targets),
         "calibration": calibration.to_dict() if calibration is not None else None,
         "quantize_seconds": seconds,
-        "layers": {name: {"scheme": q.scheme.to_dict(), "method": q.method} for name, q in quantized.items()},
+        "layers": {name: layer_entry(q) for name, q in quantized.items()},
         **(extra_recipe or {}),
     }
     save_checkpoint(lm.model, lm.tokenizer, recipe, out_dir, overwrite=overwrite)
-    q_bits = sum(q.scheme.storage_bits(*q.shape) for q in quantized.values())
+    q_bits = sum(storage_bits(q) for q in quantized.values())
     q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
     return {"output": str(out_dir), "method": config.method, "scheme": config.label, "layers": len(quantized),
             "bits_per_weight": q_bits / q_weights, "seconds": seconds}
+
+
+def layer_entry(q) -> dict:
+    """A packed layer's recipe entry: its scheme (a banded head: each band's rows and scheme) and method."""
+    if isinstance(q, BandedWeight):
+        return q.recipe_entry()
+    return {"scheme": q.scheme.to_dict(), "method": q.method}
+
+
+def storage_bits(q) -> int:
+    return q.storage_bits() if isinstance(q, BandedWeight) else q.scheme.storage_bits(*q.shape)

@@ -33,3 +33,17 @@ def tiny_lm(tiny_gguf):
 @pytest.fixture
 def char_tokenizer():
     return CharTokenizer(256)
+
+
+@pytest.fixture(scope="module")
+def tied_gguf(tmp_path_factory):
+    """The tiny model with its head tied to the embedding, so the head is allocated in bands."""
+    hf = tiny_llama_hf(num_hidden_layers=2, vocab_size=256, hidden_size=128, intermediate_size=192,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True)
+    return write_llama_gguf(hf, tmp_path_factory.mktemp("tied") / "tied.gguf")
+
+
+@pytest.fixture
+def tied_lm(tied_gguf):
+    return load_model(str(tied_gguf), with_tokenizer=False)

@@ -51,9 +51,14 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
     # Every layer's scheme in the checkpoint is the one allocated to its unit.
     units = {p: u["name"] for u in json.load(open(cache / (result["profile"]["key"] + ".json")))[
         "weights"]["units"] for p in u["params"]}
+    chosen = result["allocation"]["weights"]
     for param, layer in recipe["layers"].items():
-        label = result["allocation"]["weights"][units[param]]
-        assert layer["scheme"]["bits"] == int(label[1])
+        if units[param] == "head" and "head" not in chosen:  # allocated by bands of vocabulary rows
+            labels = [chosen[f"head.band{b}"] for b in range(8)]
+            bits = [b["scheme"]["bits"] for b in layer["bands"]] if "bands" in layer else [layer["scheme"]["bits"]] * 8
+            assert bits == [int(label[1]) for label in labels]
+            continue
+        assert layer["scheme"]["bits"] == int(chosen[units[param]][1])
     # The second pass measured the best solutions by head scheme (and even bits) and kept the least KL.
     second = result["second_pass"]
     assert len(second) >= 2 and len({c["name"] for c in second}) == len(second)
@@ -61,9 +66,11 @@ def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_pat
     measured = [c["measured_kl"] for c in second if c["measured_kl"] is not None]
     assert len(kept) == 1 and (kept[0]["measured_kl"] == min(measured) if len(measured) > 1 else
                                kept[0]["predicted_kl"] == min(c["predicted_kl"] for c in second))
-    kind, label = kept[0]["name"].split(" ")
-    chosen = result["allocation"]["weights"]
-    assert chosen["head"] == label if kind == "head" else set(chosen.values()) == {label}
+    name = kept[0]["name"]
+    if name.startswith("even "):
+        assert set(chosen.values()) == {name.removeprefix("even ")}
+    elif name != "head in bands":
+        assert {chosen[f"head.band{b}"] for b in range(8)} == {name.removeprefix("head ")}
     q = result["quality"]
     assert q["eval"]["kl_divergence"] > 0 and q["eval"]["tokens_scored"] == 2 * 127
     assert len(q["needles"]["fitted"]) == 3

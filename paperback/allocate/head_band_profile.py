@@ -1,0 +1,115 @@
+"""A tied head's cost per band of vocabulary rows and scheme: the profile's cells for head band units.
+
+Which tokens a text uses decides which rows of the head matter
+(quantization.head_bands). On the profile's head windows the reference model
+ranks every token by use: its mean predicted probability plus its frequency
+as an input (the two ways a tied row's error reaches the output). The ranking
+is cut into bands, and each band's cost under each scheme is measured on the
+output side exactly, from the reference's final hidden states: only that
+band's logits change, so
+
+    KL_b = -sum_{v in b} p(v) d(v) + log(1 + sum_{v in b} p(v) (e^{d(v)} - 1))
+
+with d the change of the logits, no forward through the blocks needed. The
+input side (a tied row also embeds its token) is not measured per band: each
+scheme's band costs are scaled so they sum to the whole head's cost measured
+through the whole model (the profile's "head" cell), which counts both sides.
+A check then measures random banded heads whole, as the additivity check
+does for units.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tqdm.auto import tqdm
+
+from paperback.quantization.head_bands import band_of_ranking, band_rows, band_sizes, encode_band_of
+from paperback.quantization.rtn import quantize_rtn
+
+POSITIONS_PER_CHUNK = 256
+
+
+@torch.inference_mode()
+def final_hidden(model, windows: torch.Tensor) -> torch.Tensor:
+    """The reference's hidden states the head reads, (positions, C), every position of every window."""
+    return torch.cat([model.hidden_states(w[None])[0] for w in windows])
+
+
+@torch.inference_mode()
+def usage_ranking(model, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids ranked by use: mean predicted probability plus input frequency (each a distribution)."""
+    vocab = model.config.vocab_size
+    predicted = torch.zeros(vocab, dtype=torch.float64)
+    for lo in range(0, hidden.shape[0], POSITIONS_PER_CHUNK):
+        predicted += torch.softmax(model.logits(hidden[lo:lo + POSITIONS_PER_CHUNK]).float(), -1).sum(0).double()
+    counts = torch.bincount(input_ids.reshape(-1), minlength=vocab)[:vocab].double()
+    use = predicted / predicted.sum() + counts / counts.sum().clamp(min=1)
+    return torch.sort(-use, stable=True).indices  # ties (unused tokens) by id
+
+
+@torch.inference_mode()
+def output_side_kl(hidden: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor, rows: list[torch.Tensor]
+                   ) -> tuple[list[float], float]:
+    """Mean KL(reference || head with only band b's rows changed) for each band, and with every row changed
+    (logits are hidden @ weight.T: the families here apply no soft-capping)."""
+    order = torch.cat(rows)  # the bands' rows side by side, so each band is a slice of the logits
+    weight, changed = weight[order], changed[order]
+    ends = torch.tensor([len(r) for r in rows]).cumsum(0).tolist()
+    per_band = torch.zeros(len(rows), dtype=torch.float64)
+    whole = 0.0
+    for lo in range(0, hidden.shape[0], POSITIONS_PER_CHUNK):
+        h = hidden[lo:lo + POSITIONS_PER_CHUNK]
+        ref = h @ weight.T
+        delta = h @ changed.T - ref
+        p = torch.softmax(ref, -1)
+        pd = p * delta
+        grown = p * torch.expm1(delta)  # p(v) (e^d - 1): how much each changed logit adds to the partition
+        start = 0
+        for b, end in enumerate(ends):
+            per_band[b] += (torch.log1p(grown[:, start:end].sum(-1)) - pd[:, start:end].sum(-1)).double().sum()
+            start = end
+        whole += (torch.log1p(grown.sum(-1)) - pd.sum(-1)).double().sum().item()
+    n = hidden.shape[0]
+    return (per_band / n).tolist(), whole / n
+
+
+def measure_head_bands(model, param: str, windows: torch.Tensor, schemes, whole_head_kl: dict[str, float],
+                       progress: bool = True) -> dict:
+    """The band layout and each band's cost per scheme (scaled to the whole head's measured cost)."""
+    weight = dict(model.named_parameters())[param].detach().float()
+    hidden = final_hidden(model, windows)
+    band_of = band_of_ranking(usage_ranking(model, hidden, windows))
+    rows = band_rows(band_of)
+    kl: dict[str, dict[str, float]] = {f"band{b}": {} for b in range(len(rows))}
+    output_side, scale = {}, {}
+    for scheme in tqdm(schemes, desc="profile head bands", unit="scheme", disable=None if progress else True,
+                       leave=False):
+        changed = quantize_rtn(weight, scheme).dequantize()
+        bands, whole = output_side_kl(hidden, weight, changed, rows)
+        label = scheme.label
+        output_side[label] = {"bands": bands, "whole": whole}
+        # The input side of a tied row, and whatever does not add, folded in so the bands sum to the head's cost.
+        scale[label] = whole_head_kl[label] / whole if whole > 0 else 1.0
+        for b, cost in enumerate(bands):
+            kl[f"band{b}"][label] = max(cost, 0.0) * scale[label]
+    return {"band_of": encode_band_of(band_of), "sizes": band_sizes(band_of.numel()), "tokens": hidden.shape[0],
+            "kl": kl, "output_side": output_side, "scale": scale}
+
+
+def random_band_assignments(schemes, bands: int, count: int, seed: int) -> list[list[str]]:
+    """Banded heads to check the band costs on: a random level of precision per assignment, the bands
+    spread about it, the most used bands a step more precise on average (as an allocation would)."""
+    rng = random.Random(seed)
+    ordered = sorted(schemes, key=lambda s: -s.bits_per_weight(4096, 4096))
+    out = []
+    for _ in range(count):
+        level = rng.random()
+        picks = []
+        for b in range(bands):
+            tilt = (b / max(bands - 1, 1) - 0.5) * 0.5
+            i = round((level + tilt) * (len(ordered) - 1) + rng.gauss(0, 1))
+            picks.append(ordered[min(len(ordered) - 1, max(0, i))].label)
+        out.append(picks)
+    return out
