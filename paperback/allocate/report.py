@@ -217,7 +217,8 @@ def _second_pass_section(candidates: list[dict]) -> str:
     rows = [[html.escape(c["name"]) + (" (kept)" if c["chosen"] else ""), f"{c['predicted_kl']:.4f}",
              "-" if c["measured_kl"] is None else f"{c['measured_kl']:.4f}", _mib(c["bytes"])] for c in candidates]
     return ("<h3>Second pass</h3><p>The exact solve with the output head held at each of its schemes (a tied "
-            "head's error changes every block's input, so its cost does not add to theirs), and the best solve "
+            "head's error changes every block's input, so its cost does not add to theirs; a head in bands of "
+            "vocabulary rows: the solve with its bands free, and with every band at one scheme), and the best solve "
             "with every weight unit at one scheme (even bits). Those a measurement could still rank first "
             "(within the profile's additivity check) were each quantized as the checkpoint is (same method and "
             "calibration) and measured whole on the profiled text; the least measured KL was kept and written. "
