@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from paperback.allocate.head_band_profile import measure_head_bands, random_band_assignments
+from paperback.allocate.head_band_profile import USAGE_VERSION, measure_head_bands, random_band_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
 from paperback.allocate.quantized_units import EffectiveWeight, quantized_blocks, unit_weights
@@ -421,7 +421,14 @@ class Profiler:
         """Whether a tied head's band cells (or their check) are missing."""
         bands = weights.get("head_bands")
         return (self.model.lm_head is None and any(u.name == HEAD_UNIT for u in self.units)
-                and (bands is None or bands.get("check") is None))
+                and (bands is None or bands.get("check") is None or bands.get("usage") != USAGE_VERSION))
+
+    def _start_id(self) -> int:
+        """The token the model's own text starts from: BOS where the model reads one, else its end of text."""
+        if getattr(self.tokenizer, "adds_bos", False) and self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        eos = sorted(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        return eos[0] if eos else int(self.text.head_windows[0, 0])
 
     def _head_bands(self) -> None:
         """Cells of the tied head's bands of vocabulary rows (allocate.head_band_profile), then the check:
@@ -431,9 +438,10 @@ class Profiler:
             return
         t0 = time.perf_counter()
         param = next(u for u in self.units if u.name == HEAD_UNIT).params[0]
-        if weights.get("head_bands") is None:
+        if (weights.get("head_bands") or {}).get("usage") != USAGE_VERSION:  # none, or ranked another way
             weights["head_bands"] = measure_head_bands(self.model, param, self.text.head_windows, self.schemes,
-                                                       weights["kl"][HEAD_UNIT], self.progress)
+                                                       weights["kl"][HEAD_UNIT], self._start_id(),
+                                                       self.config.seed, self.progress)
             self._timed("head bands", t0)
             self._save_partial()
             t0 = time.perf_counter()

@@ -167,3 +167,26 @@ def test_head_bands_take_at_least_three_bits_unless_asked(tied_profile, tied_lm)
         for group in allocator.weight_groups():
             bits = {allocator.schemes[o.label].bits for o in group.options}
             assert min(bits) == (lowest if group.name.startswith("head.band") else 2)
+
+
+def test_the_models_own_text_is_seeded_and_weighs_like_the_profiled_text(tied_lm):
+    from paperback.allocate.head_band_profile import free_running_usage
+
+    a = free_running_usage(tied_lm.model, 3, sequences=2, tokens=16, seed=1)
+    assert torch.equal(a, free_running_usage(tied_lm.model, 3, sequences=2, tokens=16, seed=1))
+    assert a.sum().item() == pytest.approx(2.0) and (a >= 0).all()
+    assert not torch.equal(a, free_running_usage(tied_lm.model, 3, sequences=2, tokens=16, seed=2))
+
+
+def test_bands_ranked_another_way_are_measured_again(tied_profile, tied_lm, char_tokenizer, tmp_path):
+    from paperback.allocate.head_band_profile import USAGE_VERSION
+
+    profiler, data = tied_profile
+    assert data["weights"]["head_bands"]["usage"] == USAGE_VERSION
+    old = json.loads(json.dumps(data))
+    old["weights"]["head_bands"]["usage"] = "text/0"
+    old["weights"]["head_bands"]["kl"]["band0"] = {label: 9.0 for label in CONFIG.weight_schemes}
+    profiler.complete_path.write_text(json.dumps(old))
+    again = Profiler(tied_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
+    upgraded = again.run()
+    assert upgraded["weights"]["head_bands"]["kl"] == data["weights"]["head_bands"]["kl"]
