@@ -54,11 +54,6 @@ class WeightUnit:
         return sum(quantized_bytes(scheme, o, i) for o, i in self.shapes)
 
 
-def is_head(name: str) -> bool:
-    """The head unit or one of its bands."""
-    return name == HEAD_UNIT or name.startswith(HEAD_BAND_UNIT)
-
-
 def head_band_units(head: WeightUnit, sizes: list[int]) -> list[WeightUnit]:
     """The head unit split into bands of `sizes` rows (head_bands.band_sizes), in band order."""
     (param,), ((_, hidden),) = head.params, head.shapes

@@ -21,7 +21,8 @@ def register(sub) -> None:
                        description="Measure, on the leading half of a text, the KL divergence to the full model "
                                    "when one weight unit alone is quantized (each block's q/k/v, o, gate/up, down "
                                    "and the head, per candidate scheme; a tied head also per band of vocabulary rows "
-                                   "ranked by use) and when one layer alone stores its KV cache in a format; where each layer's attention goes (sinks, recent window, middle); "
+                                   "ranked by use) and when one layer alone stores its KV cache in a format; "
+                                   "where each layer's attention goes (sinks, recent window, middle); "
                                    "and how well the summed costs predict the measured KL of mixed assignments. "
                                    "Resumable: an interrupted run continues where it stopped; a finished profile "
                                    "for the same model, text and settings is reused.")
