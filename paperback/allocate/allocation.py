@@ -30,7 +30,8 @@ from paperback.errors import PaperbackError
 from paperback.models.config import ModelConfig
 from paperback.plan.planner import runtime_allowance
 from paperback.plan.shape import shape_from_config
-from paperback.quantization.head_bands import MIN_BAND_BITS, HeadBands, band_rows, decode_band_of, split_head_bands
+from paperback.quantization.head_bands import (MIN_BAND_BITS, HeadBands, band_rows, decode_band_of, split_head_bands,
+                                               stored_layout_bytes)
 from paperback.quantization.scheme import QuantScheme
 
 
@@ -278,8 +279,8 @@ class Allocator:
         weights = {u.name: chosen[u.name].label for u in self.units}
         kv = {i: chosen[f"kv.{i}"].label for i in range(self.config.num_layers)}
         unit_bytes = sum(chosen[u.name].bytes for u in self.units)
-        if len({chosen[u.name].label for u in self.units if u.name.startswith(HEAD_BAND_UNIT)}) > 1:
-            unit_bytes += self.layout_bytes  # bands at one scheme are stored as a plain head, with no layout
+        unit_bytes += stored_layout_bytes(self.layout_bytes, [chosen[u.name].label for u in self.units
+                                                              if u.name.startswith(HEAD_BAND_UNIT)])
         kv_bytes = sum(chosen[f"kv.{i}"].bytes for i in range(self.config.num_layers))
         numel = sum(u.numel for u in self.units)
         weight_kl = sum(chosen[u.name].cost for u in self.units)

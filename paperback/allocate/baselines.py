@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from paperback.allocate.units import WeightUnit, quantized_bytes
 from paperback.errors import PaperbackError
-from paperback.quantization.head_bands import split_band_key
+from paperback.quantization.head_bands import split_band_key, stored_layout_bytes
 from paperback.quantization.scheme import QuantScheme
 
 
@@ -36,9 +36,7 @@ def policy_bytes(shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantSch
     layout, a byte per vocabulary row (one scheme in every band is stored as a plain head)."""
     total = sum(quantized_bytes(schemes[p], *shapes[p]) for p in shapes)
     bands = [p for p in shapes if split_band_key(p)[1] is not None]
-    if len({schemes[p] for p in bands}) > 1:
-        total += sum(shapes[p][0] for p in bands)
-    return total
+    return total + stored_layout_bytes(sum(shapes[p][0] for p in bands), [schemes[p] for p in bands])
 
 
 def uniform_policy(units: list[WeightUnit], scheme: QuantScheme) -> dict[str, QuantScheme]:

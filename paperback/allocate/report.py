@@ -85,19 +85,19 @@ def _layers_plot(result: dict, schemes: list[str], formats: list[str]) -> str:
     return _png(fig)
 
 
-def _additivity_plot(additivity: dict, fitted: tuple[float, float] | None) -> str:
+def _additivity_plot(points: list[dict], fitted: tuple[float, float] | None) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.8, 4.2))
-    colors = {"weights": "#4c72b0", "kv": "#dd8452", "joint": "#55a868"}
+    colors = {"weights": "#4c72b0", "kv": "#dd8452", "joint": "#55a868", "head bands": "#8172b3"}
     for kind, color in colors.items():
-        points = [p for p in additivity["points"] if p["kind"] == kind]
-        if points:
-            ax.scatter([p["predicted"] for p in points], [p["measured"] for p in points], s=18, color=color,
+        group = [p for p in points if p["kind"] == kind]
+        if group:
+            ax.scatter([p["predicted"] for p in group], [p["measured"] for p in group], s=18, color=color,
                        label=f"{kind} (profile text)")
     if fitted is not None:
         ax.scatter([fitted[0]], [fitted[1]], marker="*", s=160, color="crimson", label="fitted model (held out)")
-    values = [p["predicted"] for p in additivity["points"]] + [p["measured"] for p in additivity["points"]]
+    values = [p["predicted"] for p in points] + [p["measured"] for p in points]
     positive = [v for v in values if v > 0]
     if positive:
         lo, hi = min(positive), max(positive)
@@ -184,18 +184,7 @@ def render_report(result: dict, profile: dict) -> str:
         parts.append(f"<p>Long-range lookups: every layer's KV option costs a fact planted far back in the profiling "
                      f"text at most {bound:g} nats per answer token (the profile's retrieval part), so the layers "
                      "that do the lookup neither evict nor round it away.</p>")
-    add = profile.get("additivity")
-    parts.append("<h2>Predicted against measured quality</h2>")
-    if add:
-        parts.append(f'<img src="{_additivity_plot(add, (q["predicted_kl"], e["kl_divergence"]))}" '
-                     'alt="additivity">')
-        rows = [["all", add["samples"], f"{add['pearson']:.3f}", f"{add['spearman']:.3f}",
-                 f"{add['median_measured_over_predicted']:.2f}"]]
-        rows += [[kind, s["samples"], f"{s['pearson']:.3f}", f"{s['spearman']:.3f}",
-                  f"{s['median_measured_over_predicted']:.2f}"] for kind, s in add["by_kind"].items()]
-        parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
-    else:
-        parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
+    parts.append(_additivity_section(profile, (q["predicted_kl"], e["kl_divergence"])))
     parts.append(_second_pass_section(result.get("second_pass") or []))
     parts.append(_estimates_section(profile.get("estimates")))
     parts += ["<h2>Quality against budget</h2>", f'<img src="{_curve_plot(curve, chosen, breakdown)}" alt="curve">']
@@ -209,6 +198,36 @@ def render_report(result: dict, profile: dict) -> str:
     body = "\n".join(parts)
     return f"<!doctype html><html><head><meta charset=utf-8><title>paperback fit</title><style>{STYLE}</style>" \
            f"</head><body>{body}</body></html>"
+
+
+def _summary_row(name: str, summary: dict) -> list:
+    return [name, summary["samples"], f"{summary['pearson']:.3f}", f"{summary['spearman']:.3f}",
+            f"{summary['median_measured_over_predicted']:.2f}"]
+
+
+def _additivity_section(profile: dict, fitted: tuple[float, float]) -> str:
+    """The profile's additivity check (random mixed assignments) and, for a head in bands, the bands' own
+    check (random banded heads), predicted sums against whole-model measurements."""
+    add = profile.get("additivity")
+    band_check = (profile["weights"].get("head_bands") or {}).get("check")
+    parts = ["<h2>Predicted against measured quality</h2>"]
+    points = (add["points"] if add else []) + (band_check["points"] if band_check else [])
+    if points:
+        parts.append(f'<img src="{_additivity_plot(points, fitted)}" alt="additivity">')
+    rows = []
+    if add:
+        rows = [_summary_row("all", add), *(_summary_row(kind, s) for kind, s in add["by_kind"].items())]
+    else:
+        parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
+    if band_check:
+        rows.append(_summary_row("head bands", band_check))
+    if rows:
+        parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
+    if band_check:
+        parts.append("<p class=note>Head bands: the tied head cut into bands of vocabulary rows by how much text "
+                     "uses them, each band priced per scheme; random banded heads (every other unit at full "
+                     "precision) measured whole against the sum of their bands' costs.</p>")
+    return "\n".join(parts)
 
 
 def _second_pass_section(candidates: list[dict]) -> str:

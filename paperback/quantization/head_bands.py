@@ -100,6 +100,12 @@ def check_band_of(band_of: torch.Tensor, vocab_size: int) -> None:
         raise PaperbackError(f"head band layout names a band past {len(BAND_ENDS) - 1}")
 
 
+def stored_layout_bytes(vocab_rows: int, band_choices) -> int:
+    """What a head in bands stores beside its bands: a byte per vocabulary row naming its band, paid only when
+    the bands differ (bands at one scheme are stored as a plain head)."""
+    return vocab_rows if len(set(band_choices)) > 1 else 0
+
+
 @dataclass(frozen=True)
 class HeadBands:
     """A head's band layout and each band's scheme (QuantizeConfig.head_bands)."""

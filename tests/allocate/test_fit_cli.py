@@ -134,7 +134,8 @@ def test_fit_report_is_self_contained(tiny_dir, tmp_path, cache, capsys):
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") >= 4
     for section in ("Budget split", "Per layer", "Predicted against measured quality", "Quality against budget",
-                    "Breakdown point", "Pearson", "needles at", "retention", "Long-range lookups", "Second pass"):
+                    "Breakdown point", "Pearson", "needles at", "retention", "Long-range lookups", "Second pass",
+                    "Head bands:"):
         assert section in page
     # Nothing is fetched from elsewhere: no URL other than the embedded images.
     import re
