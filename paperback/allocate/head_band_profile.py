@@ -38,25 +38,10 @@ FREE_SEQUENCES, FREE_TOKENS = 8, 256
 USAGE_VERSION = "text+free-running/1"
 
 
-@torch.inference_mode()
-def final_hidden(model, windows: torch.Tensor) -> torch.Tensor:
-    """The reference's hidden states the head reads, (positions, C), every position of every window."""
-    return torch.cat([model.hidden_states(w[None])[0] for w in windows])
-
-
 def usage(predicted: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """How much a text uses each token: its mean predicted probability plus its frequency (sums to 2)."""
     counts = torch.bincount(ids.reshape(-1), minlength=vocab)[:vocab].double()
     return predicted / predicted.sum() + counts / counts.sum().clamp(min=1)
-
-
-@torch.inference_mode()
-def text_usage(model, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """`usage` on the profiled text, from the reference's hidden states there."""
-    predicted = torch.zeros(model.config.vocab_size, dtype=torch.float64)
-    for lo in range(0, hidden.shape[0], POSITIONS_PER_CHUNK):
-        predicted += torch.softmax(model.logits(hidden[lo:lo + POSITIONS_PER_CHUNK]).float(), -1).sum(0).double()
-    return usage(predicted, input_ids, model.config.vocab_size)
 
 
 @torch.inference_mode()
@@ -86,20 +71,20 @@ def usage_ranking(use: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def output_side_kl(hidden: torch.Tensor, weight: torch.Tensor, changed: torch.Tensor, rows: list[torch.Tensor]
+def output_side_kl(hidden: torch.Tensor, probs: torch.Tensor, change: torch.Tensor, rows: list[torch.Tensor]
                    ) -> tuple[list[float], float]:
-    """Mean KL(reference || head with only band b's rows changed) for each band, and with every row changed
-    (logits are hidden @ weight.T: the families here apply no soft-capping)."""
+    """Mean KL(reference || head with only band b's rows changed) for each band, and with every row changed.
+
+    hidden (N, C): the reference's final hidden states; probs (N, V): its predicted probabilities; change
+    (V, C): the head's change (logits are hidden @ weight.T: the families here apply no soft-capping)."""
     order = torch.cat(rows)  # the bands' rows side by side, so each band is a slice of the logits
-    weight, changed = weight[order], changed[order]
+    change = change[order]
     ends = torch.tensor([len(r) for r in rows]).cumsum(0).tolist()
     per_band = torch.zeros(len(rows), dtype=torch.float64)
     whole = 0.0
     for lo in range(0, hidden.shape[0], POSITIONS_PER_CHUNK):
-        h = hidden[lo:lo + POSITIONS_PER_CHUNK]
-        ref = h @ weight.T
-        delta = h @ changed.T - ref
-        p = torch.softmax(ref, -1)
+        delta = hidden[lo:lo + POSITIONS_PER_CHUNK] @ change.T
+        p = probs[lo:lo + POSITIONS_PER_CHUNK][:, order]
         pd = p * delta
         grown = p * torch.expm1(delta)  # p(v) (e^d - 1): how much each changed logit adds to the partition
         start = 0
@@ -111,21 +96,27 @@ def output_side_kl(hidden: torch.Tensor, weight: torch.Tensor, changed: torch.Te
     return (per_band / n).tolist(), whole / n
 
 
-def measure_head_bands(model, param: str, windows: torch.Tensor, schemes, whole_head_kl: dict[str, float],
-                       start_id: int, seed: int = 0, progress: bool = True) -> dict:
+def measure_head_bands(model, param: str, probe, schemes, whole_head_kl: dict[str, float], start_id: int,
+                       seed: int = 0, progress: bool = True) -> dict:
     """The band layout (ranked by the profiled text's use and the model's own text's, equally) and each band's
-    cost per scheme on the profiled text (scaled to the whole head's measured cost)."""
+    cost per scheme on the profiled text (scaled to the whole head's measured cost). `probe`: the
+    ReferenceProbe of the head windows, every position scored (its probabilities and final hidden states
+    are the reference's here)."""
     weight = dict(model.named_parameters())[param].detach().float()
-    hidden = final_hidden(model, windows)
-    use = text_usage(model, hidden, windows) + free_running_usage(model, start_id, seed=seed)
+    if probe.ref_probs.shape[0] != probe.windows.numel():
+        raise ValueError("head bands need a probe that scores every position")
+    with torch.inference_mode():
+        hidden = model.model.norm(probe.final_output).reshape(-1, probe.final_output.shape[-1]).float()
+        text = usage(probe.ref_probs.double().sum(0), probe.windows, model.config.vocab_size)
+    use = text + free_running_usage(model, start_id, seed=seed)
     band_of = band_of_ranking(usage_ranking(use))
     rows = band_rows(band_of)
     kl: dict[str, dict[str, float]] = {f"band{b}": {} for b in range(len(rows))}
     output_side, scale = {}, {}
     for scheme in tqdm(schemes, desc="profile head bands", unit="scheme", disable=None if progress else True,
                        leave=False):
-        changed = quantize_rtn(weight, scheme).dequantize()
-        bands, whole = output_side_kl(hidden, weight, changed, rows)
+        change = quantize_rtn(weight, scheme).dequantize().float() - weight
+        bands, whole = output_side_kl(hidden, probe.ref_probs, change, rows)
         label = scheme.label
         output_side[label] = {"bands": bands, "whole": whole}
         # The input side of a tied row, and whatever does not add, folded in so the bands sum to the head's cost.

@@ -311,11 +311,13 @@ class Profiler:
             # measured on head_tokens positions: add that part, keep the rest.
             reused = finished.pop("reused_from_cache")
             self.data = finished
+            head_probe = None
             if self._head_todo(finished["weights"]):
-                self._head()
+                head_probe = self._head()
                 self._repredict_additivity()
                 finished["weights"].pop("head_bands", None)  # priced against the head's old cells
-            self._head_bands()
+            self._head_bands(head_probe)
+            del head_probe
             self._retention()
             self._retrieval()
             _atomic_write(self.complete_path, self.data)
@@ -379,8 +381,9 @@ class Profiler:
                 self._timed("weights", t0)
                 self._save_partial()
                 t0 = time.perf_counter()
-        self._head(bar)
+        head_probe = self._head(bar)
         bar.close()
+        self._head_bands(head_probe)
 
     def _head_todo(self, weights: dict) -> bool:
         """Whether the head's cells are missing or were measured on other positions than head_tokens now."""
@@ -388,12 +391,13 @@ class Profiler:
                 and weights.get("head_tokens") != self.text.head_windows.numel())
 
     @torch.inference_mode()
-    def _head(self, bar=None) -> None:
+    def _head(self, bar=None) -> ReferenceProbe | None:
         """The output head under each scheme (RTN, as checkpoints store it), with the whole model on the
-        head windows: when tied, the embedding it shares changes every block's input too."""
+        head windows: when tied, the embedding it shares changes every block's input too. Returns the head
+        windows' reference when it was built (the bands reuse it), else None."""
         head = [u for u in self.units if u.name == HEAD_UNIT]
         if not head:
-            return
+            return None
         t0 = time.perf_counter()
         weights = self.data["weights"]
         if self._head_todo(weights):  # cells from other positions (or none): measure them all afresh
@@ -416,6 +420,7 @@ class Profiler:
                 bar.update()
             self._save_partial()
         self._timed("head", t0)
+        return probe
 
     def _head_bands_todo(self, weights: dict) -> bool:
         """Whether a tied head's band cells (or their check) are missing."""
@@ -430,16 +435,18 @@ class Profiler:
         eos = sorted(getattr(self.tokenizer, "eos_token_ids", None) or ())
         return eos[0] if eos else int(self.text.head_windows[0, 0])
 
-    def _head_bands(self) -> None:
+    def _head_bands(self, probe: ReferenceProbe | None = None) -> None:
         """Cells of the tied head's bands of vocabulary rows (allocate.head_band_profile), then the check:
-        random banded heads measured whole against the sum of their bands' cells."""
+        random banded heads measured whole against the sum of their bands' cells. `probe`: the head
+        windows' reference, when the head's measurement already built it."""
         weights = self.data["weights"]
         if not self._head_bands_todo(weights):
             return
         t0 = time.perf_counter()
         param = next(u for u in self.units if u.name == HEAD_UNIT).params[0]
+        probe = probe or ReferenceProbe(self.model, self.text.head_windows, self.config.kv_chunk)
         if (weights.get("head_bands") or {}).get("usage") != USAGE_VERSION:  # none, or ranked another way
-            weights["head_bands"] = measure_head_bands(self.model, param, self.text.head_windows, self.schemes,
+            weights["head_bands"] = measure_head_bands(self.model, param, probe, self.schemes,
                                                        weights["kl"][HEAD_UNIT], self._start_id(),
                                                        self.config.seed, self.progress)
             self._timed("head bands", t0)
@@ -450,7 +457,6 @@ class Profiler:
         band_of = decode_band_of(bands["band_of"], weight.shape[0])
         rows = band_rows(band_of)
         by_label = {s.label: s for s in self.schemes}
-        probe = ReferenceProbe(self.model, self.text.head_windows, self.config.kv_chunk)
         samples = []
         for picks in tqdm(random_band_assignments(self.schemes, len(rows), HEAD_BAND_CHECKS, self.config.seed),
                           desc="profile head band check", unit="sample", disable=None if self.progress else True,

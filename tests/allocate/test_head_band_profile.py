@@ -30,8 +30,8 @@ def test_output_side_band_kl_is_the_kl_with_only_that_bands_logits_changed():
     hidden, weight = torch.randn(300, 16), torch.randn(50, 16)
     changed = weight + 0.1 * torch.randn(50, 16)
     rows = [torch.arange(0, 5), torch.arange(5, 20), torch.arange(20, 50)]
-    bands, whole = output_side_kl(hidden, weight, changed, rows)
     ref = torch.log_softmax(hidden @ weight.T, -1)
+    bands, whole = output_side_kl(hidden, ref.exp(), changed - weight, rows)
 
     def kl(w):
         return (ref.exp() * (ref - torch.log_softmax(hidden @ w.T, -1))).sum(-1).mean().item()
