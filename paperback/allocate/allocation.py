@@ -302,6 +302,21 @@ def head_label(weights: dict[str, str]) -> str | None:
     return "in bands of vocabulary rows, most used first: " + ", ".join(label for _, label in bands)
 
 
+def fitting_candidates(profile: dict, model, workload: Workload, count: int, head_bands: bool = True,
+                       **options) -> tuple[Allocator, list[Candidate]]:
+    """The allocator and its second-pass candidates (`Allocator.candidates`, `options` passed on). Head bands
+    stop at MIN_BAND_BITS, so a budget that only a plain head at fewer bits reaches (check_budget counts
+    that head) is met with the head as one unit rather than refused after the profile."""
+    allocator = Allocator(profile, model, workload, head_bands)
+    try:
+        return allocator, allocator.candidates(count, **options)
+    except InfeasibleBudget:
+        if allocator.band_of is None:
+            raise
+    plain = Allocator(profile, model, workload, head_bands=False)
+    return plain, plain.candidates(count, **options)
+
+
 def breakdown_point(curve: list[dict], max_kl: float) -> dict | None:
     """The least memory on the curve whose predicted KL is at most max_kl (below it, quality breaks down)."""
     ok = [point for point in curve if point["predicted_kl"] <= max_kl]

@@ -13,8 +13,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from paperback.allocate.allocation import Allocation, Allocator, Workload, breakdown_point, check_budget
-from paperback.allocate.candidates import DEFAULT_CANDIDATES, EVEN_MARGIN, within_additivity
+from paperback.allocate.allocation import (Allocation, Allocator, Workload, breakdown_point, check_budget,
+                                           fitting_candidates)
+from paperback.allocate.candidates import DEFAULT_CANDIDATES, EVEN_MARGIN, Candidate, within_additivity
 from paperback.allocate.profile import ProfileConfig, Profiler, load_profile, text_fingerprint
 from paperback.allocate.second_pass import ShippedSecondPass
 from paperback.allocate.units import BLOCK_UNITS, retention_label
@@ -108,9 +109,11 @@ class Fit:
         if self.profile is None:
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
-        allocator = Allocator(self.profile, self.lm.model, self.config.workload, self.config.head_bands)
+        cfg = self.config
         t0 = time.perf_counter()
-        allocation, second_pass, summary = self._allocate_and_quantize(allocator)
+        allocator, candidates = fitting_candidates(self.profile, self.lm.model, cfg.workload, cfg.candidates,
+                                                   cfg.head_bands, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
+        allocation, second_pass, summary = self._allocate_and_quantize(allocator, candidates)
         self.seconds["second_pass_and_quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         quality = self._evaluate(reference_lm, allocation)
@@ -126,14 +129,14 @@ class Fit:
                             "seconds": self.profile.get("seconds", {})},
                 "tokens": self.profile.get("tokens"), "seconds": self.seconds, "config": self.config.to_dict()}
 
-    def _allocate_and_quantize(self, allocator: Allocator) -> tuple[Allocation, list[dict], dict]:
+    def _allocate_and_quantize(self, allocator: Allocator, candidates: list[Candidate]
+                               ) -> tuple[Allocation, list[dict], dict]:
         """The solve's best candidates by head scheme and the even-bits one, each quantized by the final pass
         and measured whole on the profiled text (the ones the additivity check rules out are not); the model
         with the least KL is the one written."""
         from paperback.kv.policy import build_policy
 
         cfg = self.config
-        candidates = allocator.candidates(cfg.candidates, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
         plausible = within_additivity(candidates, self.profile.get("additivity"))
         calibration = CalibrationConfig(cfg.text_source, cfg.calib_samples, cfg.profile.window_tokens,
                                         cfg.profile.seed, span=cfg.profile.span)

@@ -190,3 +190,26 @@ def test_bands_ranked_another_way_are_measured_again(tied_profile, tied_lm, char
     again = Profiler(tied_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
     upgraded = again.run()
     assert upgraded["weights"]["head_bands"]["kl"] == data["weights"]["head_bands"]["kl"]
+
+
+def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one_unit(tied_profile, tied_lm):
+    """check_budget counts the head at W2, bands stop at 3 bits: fit must not refuse what it let through."""
+    from paperback.allocate.allocation import check_budget, fitting_candidates
+    from paperback.allocate.solver import InfeasibleBudget, min_bytes
+
+    _, data = tied_profile
+    probe = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1))
+    plain = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1), head_bands=False)
+    fixed = probe.runtime + probe.fixed_bytes
+    banded_min = fixed + min_bytes(probe.weight_groups() + probe.kv_groups())
+    plain_min = fixed + min_bytes(plain.weight_groups() + plain.kv_groups())
+    assert plain_min < banded_min
+    workload = Workload(int(plain_min + (banded_min - plain_min) // 2), 128, 1)
+    check_budget(tied_lm.model, workload, CONFIG.weight_schemes, CONFIG.kv_formats)  # let through before work
+    with pytest.raises(InfeasibleBudget):
+        Allocator(data, tied_lm.model, workload).candidates(2)
+    allocator, candidates = fitting_candidates(data, tied_lm.model, workload, 2)
+    assert allocator.band_of is None and candidates[0].chosen["head"].label == "W2a-g64"
+    assert allocator.allocation_of(candidates[0]).total_bytes <= workload.memory
+    with pytest.raises(InfeasibleBudget):  # below every plain head too: still refused
+        fitting_candidates(data, tied_lm.model, Workload(int(plain_min) - 1, 128, 1), 2)
