@@ -208,8 +208,12 @@ class Profiler:
     """Measures a profile of `model` on `text`, saving partial results to the cache as it goes."""
 
     def __init__(self, model, tokenizer, text: str, text_source: str, config: ProfileConfig,
-                 cache_dir: Path | None = None, progress: bool = True, model_label: str = ""):
+                 cache_dir: Path | None = None, progress: bool = True, model_label: str = "",
+                 reuse_shipped: bool = True):
+        """reuse_shipped: a profile shipped with paperback for this key counts as finished (False: measure it
+        afresh, as benchmarks/bench_profile.py times it)."""
         self.model, self.config, self.progress = model, config, progress
+        self.reuse_shipped = reuse_shipped
         self.tokenizer = tokenizer
         self.schemes = parse_weight_candidates(config.weight_schemes)
         self.formats = parse_kv_candidates(config.kv_formats, model.config)
@@ -291,7 +295,7 @@ class Profiler:
     def _finished(self) -> dict | None:
         """A complete profile for this key: from the cache, or shipped with paperback (the bundled models')."""
         shipped = resources.files("paperback.data").joinpath("profiles", f"{self.key}.json")
-        for path in (self.complete_path, shipped):
+        for path in (self.complete_path, shipped) if self.reuse_shipped else (self.complete_path,):
             try:
                 cached = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):

@@ -56,6 +56,13 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", "--max-step-tokens", dest="max_step_tokens", type=int, default=512,
                    help="token budget of one step (chunked prefill; default 512)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto",
+                   help="when the pool runs out of blocks, the newest sequence is preempted: its blocks copied to "
+                        "host memory and back (swap), freed and its tokens prefilled again later (recompute), or "
+                        "whichever is measured cheaper for that sequence (auto, default)")
+    p.add_argument("--swap-space", type=float, default=4.0,
+                   help="GiB of host memory for swapped-out KV blocks, outside the KV budget (default 4; 0: never "
+                        "swap)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes already computed (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -174,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     kv_memory = parse_bytes(args.kv_memory or "1GiB")
     total = parse_bytes(args.memory) if args.memory else None
     max_body = parse_bytes(args.max_body_size)
+    if not args.swap_space >= 0:
+        raise PaperbackError(f"--swap-space must be at least 0 GiB, got {args.swap_space}")
+    swap_space = int(args.swap_space * 2 ** 30)
     kv_format = kv_cache_dtype(args.kv)
     if kv_format is not None:
         parse_kv_scheme(kv_format)  # a bad format fails before the model loads
@@ -201,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
         policy = build_policy(lm.config, kv, args.kv_skip_layers, args.kv_policy, spec=fitted)
         engine = LLMEngine(lm, kv=policy, kv_memory=kv_memory, block_size=args.block_size,
                            prefix_caching=args.enable_prefix_caching,
-                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens),
-                           max_model_len=args.max_model_len)
+                           scheduler=SchedulerConfig(args.max_num_seqs, args.max_step_tokens,
+                                                     args.preemption_mode),
+                           max_model_len=args.max_model_len, swap_space=swap_space)
     except BaseException:
         sock.close()
         raise

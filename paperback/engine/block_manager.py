@@ -54,6 +54,11 @@ class SequenceBlocks:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks, in order
 
 
+def blocks_held(seq: SequenceBlocks) -> int:
+    """Blocks a sequence's table holds (its evicted places aside)."""
+    return sum(1 for b in seq.table if b != EVICTED)
+
+
 def chain_hash(parent: bytes | None, tokens: tuple[int, ...], salt: bytes = b"") -> bytes:
     """Hash of a full block given its predecessor's hash: equal only for equal whole prefixes."""
     h = hashlib.sha256(parent or b"root")
@@ -265,6 +270,26 @@ class BlockManager:
         for block_id in reversed(seq.table):
             if block_id != EVICTED:
                 self._unref(block_id)
+
+    def swap_out(self, seq_id: int) -> SequenceBlocks:
+        """Give back a sequence's blocks (their contents copied out first, `paperback.engine.swap`), keeping
+        what `swap_in` needs: its table's shape (evicted places included), token count and block hashes."""
+        saved = self.seqs[seq_id]
+        self.free(seq_id)
+        return saved
+
+    def swap_in(self, seq_id: int, saved: SequenceBlocks) -> list[int]:
+        """Fresh blocks for a swapped-out sequence, one per block it held (private: shared ones come back as
+        copies); returns its new table, EVICTED where it was."""
+        if seq_id in self.seqs:
+            raise PaperbackError(f"sequence {seq_id} already has blocks")
+        need = blocks_held(saved)
+        if need > self.num_free:
+            raise NoFreeBlocks(f"{need} blocks needed, {self.num_free} free")
+        table = [EVICTED if b == EVICTED else self._take_free() for b in saved.table]
+        # Its hashes stay its own (commit goes on after them); the new blocks serve no prefix hit.
+        self.seqs[seq_id] = SequenceBlocks(table, saved.num_tokens, list(saved.hashes))
+        return table
 
     def evict(self, seq_id: int, lo: int, hi: int) -> int:
         """Give back the sequence's blocks [lo, hi) of its table (never its last); returns how many."""

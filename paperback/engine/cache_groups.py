@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paperback.engine.block_manager import BlockManager, NoFreeBlocks
+from paperback.engine.block_manager import BlockManager, NoFreeBlocks, SequenceBlocks, blocks_held
 from paperback.errors import PaperbackError
 from paperback.kv.schemes import layer_retention
 
@@ -174,6 +174,20 @@ class GroupedBlocks:
     def free(self, seq_id: int) -> None:
         for m in self.managers:
             m.free(seq_id)
+
+    def swap_out(self, seq_id: int) -> list[SequenceBlocks]:
+        """Give back the sequence's blocks in every group, keeping each table's shape for swap_in."""
+        return [m.swap_out(seq_id) for m in self.managers]
+
+    def can_swap_in(self, saved: list[SequenceBlocks], keep_free: int = 0) -> bool:
+        """Whether every group has the blocks a swapped-out sequence held and `keep_free` more."""
+        return all(blocks_held(s) <= m.num_free - keep_free for s, m in zip(saved, self.managers))
+
+    def swap_in(self, seq_id: int, saved: list[SequenceBlocks]) -> list[list[int]]:
+        """Fresh blocks in every group for a swapped-out sequence; its new table in each."""
+        if not self.can_swap_in(saved):
+            raise NoFreeBlocks(f"not enough free blocks to swap sequence {seq_id} back in")
+        return [m.swap_in(seq_id, s) for s, m in zip(saved, self.managers)]
 
     def commit(self, seq_id: int, tokens: list[int], final_blocks: int | None = None) -> None:
         for m in self.managers:

@@ -24,6 +24,7 @@ from paperback.engine.outputs import (CompletionOutput, CompletionState, Request
 from paperback.engine.paged_cache import PagedKVPool, StepBatch, StepSequence
 from paperback.engine.pool_layout import pool_layout
 from paperback.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from paperback.engine.swap import DEFAULT_SWAP_SPACE, HostSwap
 from paperback.errors import PaperbackError
 from paperback.generation.generate import check_fits
 from paperback.generation.sampling import SamplingParams, apply_penalties, make_generator, sample, sampled_logprobs
@@ -61,7 +62,7 @@ class LLMEngine:
     def __init__(self, lm, kv: str | KVPolicy = "fp32", kv_memory: int | None = None,
                  num_blocks: int | list[int] | None = None,
                  block_size: int = 16, prefix_caching: bool = True, scheduler: SchedulerConfig = SchedulerConfig(),
-                 kv_amax: dict | None = None, max_model_len: int | None = None):
+                 kv_amax: dict | None = None, max_model_len: int | None = None, swap_space: int = DEFAULT_SWAP_SPACE):
         self.lm, self.model, self.tokenizer = lm, lm.model, lm.tokenizer
         config = self.model.config
         policy = kv if isinstance(kv, KVPolicy) else build_policy(config, kv)
@@ -84,9 +85,10 @@ class LLMEngine:
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
         self.blocks = GroupedBlocks(list(self.layout.groups), list(self.layout.num_blocks), block_size,
                                     self.prefix_caching, salt, scheduler.max_step_tokens)
+        self.swap = HostSwap(self.blocks, self.pool, scheduler.preemption, swap_space)
         self.scheduler = Scheduler(self.blocks, scheduler,
                                    on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
-                                   on_free=lambda seq: self.pool.release(seq.seq_id))
+                                   on_free=lambda seq: self.pool.release(seq.seq_id), swap=self.swap)
         self.requests: dict[str, RequestState] = {}
         self.positions_computed = 0  # token positions run through the model, recomputed ones included
         self.prompt_tokens = 0  # prompt tokens of requests that reached their first token (each counted once)
@@ -157,6 +159,10 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_swapped(self) -> int:
+        return len(self.scheduler.swapped)
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -169,9 +175,10 @@ class LLMEngine:
         for group, src, dst in plan.copies:
             self.pool.copy_block(group, src, dst)
         if not plan.work:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if (self.scheduler.waiting or self.scheduler.swapped) and not self.scheduler.running:
                 raise PaperbackError("the KV pool cannot hold the next waiting request")
             return []
+        started = time.perf_counter()
         device = self.pool.device
         seqs = [StepSequence(s.seq_id, n, s.num_computed + n,
                              tuple(torch.tensor(t, device=device) for t in self.blocks.tables(s.seq_id)))
@@ -187,6 +194,7 @@ class LLMEngine:
                 self._fail(self.requests[request_id], exc)
             return self._outputs(touched)
         self.positions_computed += ids.shape[1]
+        self.swap.observe_step(ids.shape[1], len(plan.work), time.perf_counter() - started)
         ends, samplers = [], []
         offset = 0
         for seq, n in plan.work:
@@ -310,12 +318,13 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Queue depths, pool use and prefix-cache counts, for metrics and monitoring."""
-        return {"running": self.num_running, "waiting": self.num_waiting, "blocks_used": self.blocks.num_used,
+        return {"running": self.num_running, "waiting": self.num_waiting, "swapped": self.num_swapped,
+                "blocks_used": self.blocks.num_used,
                 "blocks_free": self.blocks.num_free, "kv_cache_usage": self.blocks.usage,
                 "prefix_query_tokens": self.blocks.prefix_query_tokens,
                 "prefix_hit_tokens": self.blocks.prefix_hit_tokens, "prefix_hit_rate": self.blocks.prefix_hit_rate,
                 "preemptions": self.scheduler.preemptions, "prompt_tokens": self.prompt_tokens,
-                "generation_tokens": self.generation_tokens}
+                "generation_tokens": self.generation_tokens, **self.swap.stats()}
 
     def run(self) -> list[RequestOutput]:
         """Step until every request has finished; the finished outputs in the order requests finished."""

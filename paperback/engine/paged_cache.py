@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paperback.engine.block_manager import NoFreeBlocks
+from paperback.engine.block_manager import EVICTED, NoFreeBlocks
 from paperback.engine.paged_attention import (ExactSplit, ExactStaging, codec_source, decode_kernel_available,
                                               native_source, paged_attention, paged_decode_attention)
 from paperback.engine.pool_layout import PoolLayout
@@ -102,6 +102,28 @@ class _Layer:
         if self.native:
             return [self.keys, self.values]
         return [*self.key_fields.values(), *self.value_fields.values()]
+
+
+def _copy_rows(t: torch.Tensor, ids: torch.Tensor, data: torch.Tensor) -> None:
+    """t[ids] = data along the first dimension; FP8 as its bytes (index_copy_ has no FP8 kernel on CPU)."""
+    if t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8):
+        t, data = t.view(torch.uint8), data.view(torch.uint8)
+    t.index_copy_(0, ids, data.to(t.device))
+
+
+@dataclass
+class SwappedKV:
+    """A swapped-out sequence's bytes in host memory: per layer its blocks' tensors (as `_Layer.tensors`
+    lists them, blocks in table order) and, for a quantized layer, its staged keys and values; which
+    blocks were staged, and how far each quantized layer had encoded."""
+
+    layers: list[list[torch.Tensor]]
+    stage_blocks: list[int]
+    flushed: dict[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for saved in self.layers for t in saved)
 
 
 @dataclass
@@ -180,6 +202,48 @@ class PagedKVPool:
                 if not layer.native:
                     layer.stage_keys[new] = layer.stage_keys[slot]
                     layer.stage_values[new] = layer.stage_values[slot]
+
+    def swap_out(self, seq_id: int, tables: list[list[int]]) -> SwappedKV:
+        """Copy a sequence's blocks (every layer, from its group's table) and its staged exact tokens to host
+        memory, and give back its staging; the caller then frees its blocks (`paperback.engine.swap`)."""
+        state = self.seqs[seq_id]
+        if self.quantized:
+            self._free_encoded(state)  # between steps: blocks every layer has encoded are read encoded only
+        held = [torch.tensor([b for b in table if b != EVICTED], dtype=torch.long, device=self.device)
+                for table in tables]
+        stage_blocks = sorted(state.stage)
+        slots = torch.tensor([state.stage[b] for b in stage_blocks], dtype=torch.long, device=self.device)
+        layers = []
+        for layer in self.layers:
+            ids = held[layer.group]
+            saved = [t.index_select(0, ids).cpu() for t in layer.tensors()]
+            if not layer.native:
+                saved += [t.index_select(0, slots).cpu() for t in (layer.stage_keys, layer.stage_values)]
+            layers.append(saved)
+        self.release(seq_id)
+        return SwappedKV(layers, stage_blocks, dict(state.flushed))
+
+    def can_swap_in(self, swapped: SwappedKV) -> bool:
+        return len(self.stage_free) >= len(swapped.stage_blocks)
+
+    def swap_in(self, seq_id: int, swapped: SwappedKV, tables: list[list[int]]) -> None:
+        """A swapped-out sequence's blocks copied into its new blocks (`tables`, from the block managers), and
+        its staged tokens into fresh staging slots."""
+        if not self.can_swap_in(swapped):
+            raise NoFreeBlocks("no free staging blocks to swap a sequence back in")
+        state = self.seqs[seq_id] = _SeqState(flushed=dict(swapped.flushed))
+        for b in swapped.stage_blocks:
+            state.stage[b] = self._take_stage()
+        slots = torch.tensor([state.stage[b] for b in swapped.stage_blocks], dtype=torch.long, device=self.device)
+        held = [torch.tensor([b for b in table if b != EVICTED], dtype=torch.long, device=self.device)
+                for table in tables]
+        for layer, saved in zip(self.layers, swapped.layers):
+            stored = layer.tensors()
+            for t, data in zip(stored, saved):
+                _copy_rows(t, held[layer.group], data)
+            if not layer.native:
+                _copy_rows(layer.stage_keys, slots, saved[len(stored)])
+                _copy_rows(layer.stage_values, slots, saved[len(stored) + 1])
 
     def _take_stage(self) -> int:
         if not self.stage_free:

@@ -6,9 +6,12 @@ prefilling brings the next chunk of its prompt that fits the step's token
 budget (chunked prefill). Then waiting requests are admitted, first come
 first served, while the budget, the cap on running sequences and the free
 blocks allow. When a running sequence needs a block and none is free, the
-most recently admitted sequence is preempted by recomputation: its blocks
+most recently admitted sequence is preempted: by recomputation, its blocks
 are freed and it returns to the front of the waiting queue, to be prefilled
-again (prompt and output so far) when blocks free up. No request is dropped.
+again (prompt and output so far) when blocks free up; or, where the engine
+swaps (`paperback.engine.swap`, when the copy costs less), its blocks are
+copied to host memory and back into fresh blocks before any waiting request
+is admitted. No request is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from paperback.generation.sampling import SamplingParams
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its blocks in host memory
     FINISHED = "finished"
 
 
@@ -64,10 +68,18 @@ class Sequence:
 class SchedulerConfig:
     max_num_seqs: int = 32
     max_step_tokens: int = 512  # token budget of one step (prefill chunks plus decode tokens)
+    # How a preempted sequence gives its blocks back: "recompute", "swap" (to host memory), or "auto"
+    # (swap when the copy is predicted cheaper than the prefill it saves; paperback.engine.swap).
+    preemption: str = "auto"
 
     def __post_init__(self):
+        from paperback.engine.swap import PREEMPTION_MODES
+
         if self.max_num_seqs < 1 or self.max_step_tokens < 1:
             raise PaperbackError("max_num_seqs and max_step_tokens must be positive")
+        if self.preemption not in PREEMPTION_MODES:
+            raise PaperbackError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got "
+                                 f"{self.preemption!r}")
 
 
 @dataclass
@@ -86,8 +98,11 @@ class Scheduler:
     """
 
     def __init__(self, blocks: GroupedBlocks, config: SchedulerConfig = SchedulerConfig(),
-                 on_admit=None, on_free=None):
+                 on_admit=None, on_free=None, swap=None):
+        """swap: a `paperback.engine.swap.HostSwap` (None: every preemption recomputes)."""
         self.blocks = blocks
+        self.swap = swap
+        self.swapped: list[Sequence] = []
         self.config = config
         self.on_admit = on_admit or (lambda seq, cached: None)
         self.on_free = on_free or (lambda seq: None)
@@ -123,15 +138,40 @@ class Scheduler:
             self.on_free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap.drop(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        if self.swap is not None and self.swap.swap_out(seq):  # its blocks copied out and freed
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            return
         self.blocks.free(seq.seq_id)
         self.on_free(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
-        seq.preemptions += 1
-        self.preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _swap_in(self, budget: int, work: list, copies: list) -> int:
+        """Swapped-out sequences back into the pool, oldest first, while each leaves a free block per running
+        sequence beside the blocks its next tokens take; returns the budget left."""
+        for seq in sorted(self.swapped, key=lambda s: s.arrival):
+            new = min(seq.num_tokens - seq.num_computed, budget)
+            keep_free = len(self.running) + self.blocks.blocks_needed(new) + 1
+            if budget == 0 or len(self.running) + self._width(seq) > self.config.max_num_seqs or \
+                    not self.swap.can_swap_in(seq, keep_free):
+                break
+            self.swapped.remove(seq)
+            self.swap.swap_in(seq)
+            copies += [(seq, *copy) for copy in self.blocks.ensure_slots(seq.seq_id, seq.num_computed + new)]
+            seq.status, seq.admitted_step = Status.RUNNING, self.steps
+            self.running.append(seq)
+            work.append((seq, new))
+            budget -= new
+        return budget
 
     def schedule(self) -> ScheduledStep:
         self.steps += 1
@@ -157,11 +197,15 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 work.append((seq, new))
                 budget -= new
+        # Swapped-out sequences come back first (they arrived before any waiting request), and nothing is
+        # admitted while one waits.
+        if self.swapped and not preempted:
+            budget = self._swap_in(budget, work, copies)
         # Admit waiting requests only when nothing was preempted this step, and only while one free block
         # per running sequence remains for its growth: otherwise a new request is admitted, prefilled, and
         # preempted again a few steps later, its prefill wasted (measured: 150 preemptions for 200 requests
         # in benchmarks/bench_serving.py without this rule).
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and budget > 0 and not preempted and not self.swapped:
             seq = self.waiting[0]
             # A request of n completions forks into n sequences after its prefill: count them all now.
             # A prompt whose log-probabilities are asked for is computed, never read from the prefix cache.
@@ -188,4 +232,4 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)

@@ -4,7 +4,7 @@ vLLM's series carry a `model_name` label: requests running and waiting, KV
 cache usage (0 to 1), prefix-cache queries and hits (tokens), prompt and
 generation tokens, preemptions, finished requests by reason, and histograms
 of time to first token, inter-token latency, end-to-end latency and queue
-time. paperback adds its block counts and refused requests.
+time, and sequences swapped to host memory. paperback adds its block counts and refused requests.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ class ServerMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in the engine's running batch")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for admission")
+        self.swapped = gauge("vllm:num_requests_swapped", "Sequences preempted to host memory")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block is held")
         docs = {"prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
                 "prefix_cache_hits": "Prompt tokens found in the prefix cache",
                 "prompt_tokens": "Prompt tokens processed", "generation_tokens": "Generation tokens sampled",
-                "num_preemptions": "Sequences preempted (recomputed later)"}
+                "num_preemptions": "Sequences preempted (recomputed later or swapped to host memory)"}
         self.counters = {key: Counter(f"vllm:{name}", docs[name], label, registry=r).labels(model_name)
                          for key, name in _COUNTERS.items()}
         self._seen = {key: 0 for key in _COUNTERS}
@@ -58,6 +59,7 @@ class ServerMetrics:
         """Gauges to the engine's state; counters forward by what the engine counted since the last update."""
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
+        self.swapped.set(stats["swapped"])
         self.kv_usage.set(stats["kv_cache_usage"])
         self.blocks_used.set(stats["blocks_used"])
         self.blocks_free.set(stats["blocks_free"])

@@ -151,6 +151,8 @@ def test_eval_bad_kv_settings(capsys, argv, message):
     (["--memory", "10MiB"], "does not even hold the weights"),
     (["--memory", "1GiB", "--kv-memory", "1GiB"], "not both"),
     (["--kv-memory", "1KiB"], "holds no block"),
+    (["--swap-space=-1"], "--swap-space must be at least 0 GiB"),
+    (["--swap-space", "nan"], "--swap-space must be at least 0 GiB"),
 ])
 def test_serve_bad_settings(capsys, argv, message):
     assert message in run_cli(capsys, "serve", "smollm2", "--port", "0", *argv)

@@ -81,6 +81,7 @@ def test_metrics_expose_queues_blocks_and_latency(served):
     for name in ('vllm:num_requests_running{model_name="smollm2"}', "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:num_requests_swapped",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_count",
                  "vllm:inter_token_latency_seconds_count", "vllm:time_to_first_token_seconds_bucket",
                  'vllm:request_success_total{finished_reason="length",model_name="smollm2"}',
