@@ -87,11 +87,15 @@ class HostSwap:
         """Out and back in."""
         return 2 * (self.copy_fixed + self.copy_per_byte * nbytes)
 
+    @property
+    def prefill_seconds_per_token(self) -> float | None:
+        """The engine's measured prefill cost per token (None: no prefill measured yet)."""
+        return self._prefill_seconds / self._prefill_tokens if self._prefill_tokens else None
+
     def predicted_recompute_seconds(self, tokens: int) -> float | None:
         """Prefilling `tokens` again at the engine's measured prefill speed (None: no prefill measured yet)."""
-        if not self._prefill_tokens:
-            return None
-        return tokens * self._prefill_seconds / self._prefill_tokens
+        per_token = self.prefill_seconds_per_token
+        return None if per_token is None else tokens * per_token
 
     def held_bytes(self, seq_id: int) -> int:
         """Bytes a swap-out of the sequence would copy: its blocks in every layer and its staging."""
