@@ -873,6 +873,27 @@ static void int8_row(const QMatrix *m, int64_t r, const Int8Acts *a, int64_t row
     }
 }
 
+/* The calling thread's buffers for one gemm_many call (rounded activations, their scales, group sums), kept
+ * between calls and grown on demand: a decode step makes over a hundred calls, each of which allocated and
+ * freed them. Thread-local to the caller, so two Python threads never share one; the OpenMP workers only
+ * read them within the call. NULL when an allocation fails. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} CallBuffer;
+
+static _Thread_local CallBuffer call_buffers[6];
+
+static void *call_buffer(int which, size_t bytes) {
+    CallBuffer *b = &call_buffers[which];
+    if (b->bytes < bytes) {
+        free(b->data);
+        b->data = malloc(bytes);
+        b->bytes = b->data ? bytes : 0;
+    }
+    return b->data;
+}
+
 /* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
  * gate and up): one parallel region over all their rows instead of one each.
  * All matrices share k, bits and group size. int8_acts: round x to int8 blocks
@@ -887,25 +908,20 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
     Int8Acts a = {NULL, NULL, NULL, NULL};
     float *xsum = NULL, *xq = NULL; /* xq: x in nibble order, for the 4-bit quad kernel */
     if (use_int8) {
-        a.q = malloc((size_t)(rows * m0->k));
-        a.d = malloc(sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
-        a.gsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
-        if (simd_level >= LEVEL_VNNI) a.dpair = malloc(sizeof(float) * 16 * (size_t)(rows * ceil_div(m0->k / QBLOCK, 2)));
-        if (!a.q || !a.d || !a.gsum || (simd_level >= LEVEL_VNNI && !a.dpair)) {
-            free(a.q), free(a.d), free(a.gsum), free(a.dpair);
-            return -1;
-        }
+        a.q = call_buffer(0, (size_t)(rows * m0->k));
+        a.d = call_buffer(1, sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
+        a.gsum = call_buffer(2, sizeof(float) * (size_t)(rows * m0->groups));
+        if (simd_level >= LEVEL_VNNI)
+            a.dpair = call_buffer(3, sizeof(float) * 16 * (size_t)(rows * ceil_div(m0->k / QBLOCK, 2)));
+        if (!a.q || !a.d || !a.gsum || (simd_level >= LEVEL_VNNI && !a.dpair)) return -1;
         quantize_activations(m0, x, rows, &a);
         if (a.dpair) pair_scales(m0, rows, &a);
     } else { /* group sums of x, for applying zero points once per group */
-        xsum = malloc(sizeof(float) * (size_t)(rows * m0->groups));
+        xsum = call_buffer(4, sizeof(float) * (size_t)(rows * m0->groups));
         if (!xsum) return -1;
         if (quad_eligible(m0, rows) && m0->bits == 4) {
-            xq = malloc(sizeof(float) * (size_t)m0->k);
-            if (!xq) {
-                free(xsum);
-                return -1;
-            }
+            xq = call_buffer(5, sizeof(float) * (size_t)m0->k);
+            if (!xq) return -1;
             nibble_order(x, m0->k, xq);
         }
         for (int64_t i = 0; i < rows; i++)
@@ -949,7 +965,6 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
             }
         }
     }
-    free(a.q), free(a.d), free(a.gsum), free(a.dpair), free(xsum), free(xq);
     return failed ? -1 : 0;
 }
 
