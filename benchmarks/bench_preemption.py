@@ -85,7 +85,8 @@ def main() -> None:
     load_before = warn_if_busy()
     lm = load_model(args.model, "fp32")
     text = lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
-    block_size = pool_layout(lm.config, build_policy(lm.config, args.kv), None, 64, 16, 8, 512, 4096).block_size
+    # The block size the engine will use for this format (a multiple of the format's token group).
+    block_size = pool_layout(lm.config, build_policy(lm.config, args.kv), num_blocks=64).block_size
     results = []
     for length in args.prompt_tokens:
         prompts = [text[(i + 1) * 2048:(i + 1) * 2048 + length] for i in range(args.requests)]

@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
     kv_memory = parse_bytes(args.kv_memory or "1GiB")
     total = parse_bytes(args.memory) if args.memory else None
     max_body = parse_bytes(args.max_body_size)
-    if not args.swap_space >= 0:
-        raise PaperbackError(f"--swap-space must be at least 0 GiB, got {args.swap_space}")
+    if not 0 <= args.swap_space < float("inf"):
+        raise PaperbackError(f"--swap-space must be at least 0 GiB and finite, got {args.swap_space}")
     swap_space = int(args.swap_space * 2 ** 30)
     kv_format = kv_cache_dtype(args.kv)
     if kv_format is not None:

@@ -209,8 +209,7 @@ class PagedKVPool:
         state = self.seqs[seq_id]
         if self.quantized:
             self._free_encoded(state)  # between steps: blocks every layer has encoded are read encoded only
-        held = [torch.tensor([b for b in table if b != EVICTED], dtype=torch.long, device=self.device)
-                for table in tables]
+        held = self._held_ids(tables)
         stage_blocks = sorted(state.stage)
         slots = torch.tensor([state.stage[b] for b in stage_blocks], dtype=torch.long, device=self.device)
         layers = []
@@ -222,6 +221,11 @@ class PagedKVPool:
             layers.append(saved)
         self.release(seq_id)
         return SwappedKV(layers, stage_blocks, dict(state.flushed))
+
+    def _held_ids(self, tables: list[list[int]]) -> list[torch.Tensor]:
+        """Per cache group, the block ids a table holds (its evicted places aside)."""
+        return [torch.tensor([b for b in table if b != EVICTED], dtype=torch.long, device=self.device)
+                for table in tables]
 
     def can_swap_in(self, swapped: SwappedKV) -> bool:
         return len(self.stage_free) >= len(swapped.stage_blocks)
@@ -235,8 +239,7 @@ class PagedKVPool:
         for b in swapped.stage_blocks:
             state.stage[b] = self._take_stage()
         slots = torch.tensor([state.stage[b] for b in swapped.stage_blocks], dtype=torch.long, device=self.device)
-        held = [torch.tensor([b for b in table if b != EVICTED], dtype=torch.long, device=self.device)
-                for table in tables]
+        held = self._held_ids(tables)
         for layer, saved in zip(self.layers, swapped.layers):
             stored = layer.tensors()
             for t, data in zip(stored, saved):

@@ -25,6 +25,7 @@ import torch
 
 from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.cache_groups import GroupedBlocks
+from paperback.engine.swap import check_preemption
 from paperback.errors import PaperbackError
 from paperback.generation.sampling import SamplingParams
 
@@ -73,13 +74,9 @@ class SchedulerConfig:
     preemption: str = "auto"
 
     def __post_init__(self):
-        from paperback.engine.swap import PREEMPTION_MODES
-
         if self.max_num_seqs < 1 or self.max_step_tokens < 1:
             raise PaperbackError("max_num_seqs and max_step_tokens must be positive")
-        if self.preemption not in PREEMPTION_MODES:
-            raise PaperbackError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got "
-                                 f"{self.preemption!r}")
+        check_preemption(self.preemption)
 
 
 @dataclass
@@ -157,10 +154,11 @@ class Scheduler:
 
     def _swap_in(self, budget: int, work: list, copies: list) -> int:
         """Swapped-out sequences back into the pool, oldest first, while each leaves a free block per running
-        sequence beside the blocks its next tokens take; returns the budget left."""
+        sequence beside the blocks its next tokens take (alone in the pool it always fits: `check` saw to
+        that); returns the budget left."""
         for seq in sorted(self.swapped, key=lambda s: s.arrival):
             new = min(seq.num_tokens - seq.num_computed, budget)
-            keep_free = len(self.running) + self.blocks.blocks_needed(new) + 1
+            keep_free = len(self.running) + self.blocks.blocks_needed(new) + 1 if self.running else 0
             if budget == 0 or len(self.running) + self._width(seq) > self.config.max_num_seqs or \
                     not self.swap.can_swap_in(seq, keep_free):
                 break

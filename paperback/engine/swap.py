@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,6 +32,11 @@ from paperback.errors import PaperbackError
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEFAULT_SWAP_SPACE = 4 * 2 ** 30  # bytes of host memory for swapped-out blocks (vLLM's default, 4 GiB)
+
+
+def check_preemption(mode: str) -> None:
+    if mode not in PREEMPTION_MODES:
+        raise PaperbackError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
 
 
 @dataclass
@@ -45,8 +51,7 @@ class HostSwap:
 
     def __init__(self, blocks: GroupedBlocks, pool: PagedKVPool, mode: str = "auto",
                  capacity: int = DEFAULT_SWAP_SPACE):
-        if mode not in PREEMPTION_MODES:
-            raise PaperbackError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}")
+        check_preemption(mode)
         if capacity < 0:
             raise PaperbackError(f"swap_space must be at least 0 bytes, got {capacity}")
         self.blocks, self.pool, self.mode, self.capacity = blocks, pool, mode, capacity
@@ -56,13 +61,14 @@ class HostSwap:
         self.bytes_moved = 0
         self.seconds = 0.0  # spent copying, out and in
         self.recomputes = 0  # preemptions left to recomputation
-        self.copy_fixed, self.copy_per_byte = self._time_copies() if mode == "auto" else (0.0, 0.0)
         self._prefill_seconds = self._prefill_tokens = 0.0
 
     # --- the cost model ------------------------------------------------------------------------------------
-    def _time_copies(self) -> tuple[float, float]:
+    @cached_property
+    def _copy_cost(self) -> tuple[float, float]:
         """(seconds per copy, seconds per byte) of copying blocks out of every layer, timed on one block and on
-        up to 32 (the best of three each), so `predicted_copy_seconds` is measured on this pool."""
+        up to 32 (the best of three each), so `predicted_copy_seconds` is measured on this pool. Timed when
+        first asked (an engine that never preempts never pays for it)."""
         def best(ids: torch.Tensor) -> tuple[float, int]:
             times = []
             for _ in range(3):
@@ -76,6 +82,14 @@ class HostSwap:
         many_s, many_b = best(torch.arange(many, device=self.pool.device))
         per_byte = max(many_s - one_s, 0.0) / max(many_b - one_b, 1)
         return max(one_s - per_byte * one_b, 0.0), per_byte
+
+    @property
+    def copy_fixed(self) -> float:
+        return self._copy_cost[0]
+
+    @property
+    def copy_per_byte(self) -> float:
+        return self._copy_cost[1]
 
     def observe_step(self, tokens: int, sequences: int, seconds: float) -> None:
         """An engine step's size and time: steps with more tokens than sequences prefill, and price recompute."""

@@ -153,6 +153,7 @@ def test_eval_bad_kv_settings(capsys, argv, message):
     (["--kv-memory", "1KiB"], "holds no block"),
     (["--swap-space=-1"], "--swap-space must be at least 0 GiB"),
     (["--swap-space", "nan"], "--swap-space must be at least 0 GiB"),
+    (["--swap-space", "inf"], "--swap-space must be at least 0 GiB"),
 ])
 def test_serve_bad_settings(capsys, argv, message):
     assert message in run_cli(capsys, "serve", "smollm2", "--port", "0", *argv)
