@@ -12,8 +12,8 @@ engine it is memory outside the KV budget the pool was sized to.
 `mode` picks: "recompute", "swap" (when the swap space has room, else
 recompute), or "auto": swap when the copy, out and back, is predicted to
 cost less than the prefill it saves. Both sides are measured here, not
-assumed: the copy's fixed cost and cost per byte are timed on the pool at
-start, and the prefill cost per token is the engine's own steps' (a running
+assumed: the copy's fixed cost and cost per byte are timed on the pool
+when first needed, and the prefill cost per token is the engine's own steps' (a running
 mean of step seconds per token over steps that prefill).
 """
 
