@@ -68,7 +68,9 @@ class HostSwap:
     def _copy_cost(self) -> tuple[float, float]:
         """(seconds per copy, seconds per byte) of copying blocks out of every layer, timed on one block and on
         up to 32 (the best of three each), so `predicted_copy_seconds` is measured on this pool. Timed when
-        first asked (an engine that never preempts never pays for it)."""
+        first asked (an engine that never preempts never pays for it). The fixed cost is the one-block copy
+        and the cost per byte the whole of the larger copy's time over its bytes: a slight overestimate, never
+        zero (the difference of two short timings can be, on a small pool)."""
         def best(ids: torch.Tensor) -> tuple[float, int]:
             times = []
             for _ in range(3):
@@ -80,8 +82,7 @@ class HostSwap:
         many = min(32, min(self.pool.num_blocks))
         one_s, one_b = best(torch.zeros(1, dtype=torch.long, device=self.pool.device))
         many_s, many_b = best(torch.arange(many, device=self.pool.device))
-        per_byte = max(many_s - one_s, 0.0) / max(many_b - one_b, 1)
-        return max(one_s - per_byte * one_b, 0.0), per_byte
+        return one_s, many_s / many_b
 
     @property
     def copy_fixed(self) -> float:
