@@ -11,7 +11,7 @@ run layer by layer in PyTorch.
 from setuptools import Extension, setup
 
 
-HEADERS = ["paperback/quantization/_qkernel.h", "paperback/engine/_paged_kernel.h"]
+HEADERS = ["paperback/quantization/_qkernel.h", "paperback/engine/_paged_kernel.h", "paperback/_sum16.h"]
 
 
 def c_kernel(module: str) -> Extension:

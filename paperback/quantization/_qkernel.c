@@ -26,6 +26,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PB_X86 1
+#include "../_sum16.h"
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
@@ -203,9 +204,31 @@ AVX2 static float dot_avx2(const float *a, const float *b, int64_t count) {
     return s;
 }
 
-/* Each level includes the ones below it: avx512vnni adds vpdpbusd for int8 activations. */
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVELS = 4 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni"};
+/* Each level includes the ones below it: avx512vnni adds vpdpbusd for int8 activations, amx its tile
+ * multiply (TDPBUSD) for a few rows at once. */
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVEL_AMX = 4, LEVELS = 5 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni", "amx"};
+
+#if defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
+#define PB_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX-INT8 and AMX-TILE in CPUID, the tile state enabled by the OS (XCR0 bits 17, 18), and this process
+ * granted it (Linux asks each process to request the tile data state before its first tile instruction). */
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE: xgetbv is allowed */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#else
+static int amx_usable(void) { return 0; }
+#endif
 
 static int best_level(void) {
     __builtin_cpu_init();
@@ -214,11 +237,14 @@ static int best_level(void) {
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl")))
         return LEVEL_AVX2;
-    return __builtin_cpu_supports("avx512vnni") ? LEVEL_VNNI : LEVEL_AVX512;
+    if (!__builtin_cpu_supports("avx512vnni")) return LEVEL_AVX512;
+    static int amx = -1; /* asked once: the permission is the process's */
+    if (amx < 0) amx = amx_usable();
+    return amx ? LEVEL_AMX : LEVEL_VNNI;
 }
 #else
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVELS = 4 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni"};
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVEL_AMX = 4, LEVELS = 5 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni", "amx"};
 static int best_level(void) { return PORTABLE; }
 #endif
 
@@ -423,6 +449,10 @@ typedef struct {
     float *d;    /* (rows, k / 32): block scales */
     float *gsum; /* (rows, groups): sum over the group of d * q */
     float *dpair; /* (rows, ceil(blocks / 2), 16): blocks 2p and 2p + 1's d, each in 8 lanes (VNNI only) */
+    /* AMX only, for up to 16 rows: */
+    uint8_t *tiles; /* (blocks, 8, 64): block b as TDPBUSD's B operand, [k / 4][row * 4 + k % 4] */
+    float *d_by_block;    /* (blocks, 16): block b's d for each row, 0 beyond the rows */
+    float *gsum_by_group; /* (groups, 16): gsum for each row, 0 beyond the rows */
 } Int8Acts;
 
 static int int8_eligible(const QMatrix *m) { return m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0; }
@@ -585,9 +615,11 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
  * size multiples of 32; 4-bit activations come in nibble order (below). */
 #define QUAD 4
 
-static int quad_eligible(const QMatrix *m, int64_t rows) {
-    return rows == 1 && (m->bits == 4 || m->bits == 8) && m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0;
+/* The quad and tile kernels' shapes: 4- or 8-bit codes read packed, k and the group size multiples of 32. */
+static int tile_eligible(const QMatrix *m) {
+    return (m->bits == 4 || m->bits == 8) && m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0;
 }
+
 
 static float zero_point(const QMatrix *m, int64_t r, int64_t g) {
     if (!m->qzeros) return (float)(1 << (m->bits - 1));
@@ -661,6 +693,107 @@ AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *
     }
     for (int i = 0; i < QUAD; i++)
         y[r0 + i] = _mm512_reduce_add_ps(total[i]) - zero_term_avx512(m, r0 + i, xsum) + (m->bias ? m->bias[r0 + i] : 0.0f);
+}
+
+/* ---- a few rows at once (batched decode): tiles of four weight rows by up to four activation rows ----
+ *
+ * The row kernels above unpack a weight row and meet each activation row in turn, so every product pays a
+ * load of the activations and a reduction of its own; at batch 8 the linears ran at a tenth of the
+ * arithmetic's speed. A tile takes four weight rows and R <= 4 activation rows: a block's codes are
+ * unpacked (and scaled) once for the R rows, an activation block is loaded once for the four weight rows,
+ * the 16 products accumulate in registers, the zero points' terms are subtracted lane-wise (16 groups a
+ * step), and the 16 sums are reduced together (sum16). */
+#define TILE_ROWS 4
+
+/* Groups [g, g + 16) of row r: scale times zero point, 0 beyond the row's groups. */
+AVX512 static inline __m512 scaled_zeros16(const QMatrix *m, int64_t r, int64_t g) {
+    const int64_t left = m->groups - g < 16 ? m->groups - g : 16;
+    const __mmask16 live = (__mmask16)((1u << left) - 1);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + r * m->groups + g));
+    if (!m->qzeros) return _mm512_mul_ps(scale, _mm512_set1_ps((float)(1 << (m->bits - 1))));
+    const uint8_t *z = m->qzeros + r * m->zero_row_bytes;
+    __m128i codes;
+    if (m->bits == 4) { /* ceil(left / 2) bytes, low nibble first: interleaved back to group order */
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        codes = _mm_maskz_loadu_epi8((__mmask16)((1u << ((left + 1) / 2)) - 1), z + g / 2);
+        codes = _mm_unpacklo_epi8(_mm_and_si128(codes, low4), _mm_and_si128(_mm_srli_epi16(codes, 4), low4));
+    } else {
+        codes = _mm_maskz_loadu_epi8(live, z + g);
+    }
+    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)));
+}
+
+/* total[4 i + j] -= sum_g s_ig z_ig sums_j[g] for the tile's rows (sums: a row's group sums of x, or of the
+ * rounded activations), then y[j0 + j, r0 + i] = the reduced total (+ bias). */
+AVX512 static inline __attribute__((always_inline)) void tile_finish(const QMatrix *m, int64_t r0, const float *sums,
+                                                                     int64_t j0, const int R, __m512 *total,
+                                                                     float *y) {
+    for (int64_t g = 0; g < m->groups; g += 16) {
+        const __mmask16 live = m->groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m->groups - g)) - 1);
+        __m512 sz[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) sz[i] = scaled_zeros16(m, r0 + i, g);
+        for (int j = 0; j < R; j++) {
+            const __m512 gs = _mm512_maskz_loadu_ps(live, sums + (j0 + j) * m->groups + g);
+            for (int i = 0; i < TILE_ROWS; i++) total[4 * i + j] = _mm512_fnmadd_ps(sz[i], gs, total[4 * i + j]);
+        }
+    }
+    float out[16];
+    _mm512_storeu_ps(out, sum16(total));
+    for (int i = 0; i < TILE_ROWS; i++)
+        for (int j = 0; j < R; j++)
+            y[(j0 + j) * m->n + r0 + i] = out[4 * i + j] + (m->bias ? m->bias[r0 + i] : 0.0f);
+}
+
+/* Float activations (x in nibble order for 4-bit codes): a block's codes become floats times their group's
+ * scale once per weight row, then meet each activation row in two multiply-adds. */
+AVX512 static inline __attribute__((always_inline)) void tile_float_body(const QMatrix *m, int64_t r0,
+                                                                         const float *x, const float *xsum,
+                                                                         int64_t j0, const int R, float *y) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    const uint8_t *rows[TILE_ROWS];
+    const uint16_t *scales[TILE_ROWS];
+    __m512 total[16];
+    for (int t = 0; t < 16; t++) total[t] = _mm512_setzero_ps();
+    for (int i = 0; i < TILE_ROWS; i++)
+        rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++) {
+        __m512 c0[TILE_ROWS], c1[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) {
+            __m128i v0, v1;
+            if (m->bits == 4) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + b * (QBLOCK / 2)));
+                v0 = _mm_and_si128(v, low4), v1 = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+            } else {
+                v0 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK));
+                v1 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK + 16));
+            }
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[i][g]));
+            c0[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v0)), s);
+            c1[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v1)), s);
+        }
+        for (int j = 0; j < R; j++) {
+            const float *xj = x + (j0 + j) * m->k + b * QBLOCK;
+            const __m512 x0 = _mm512_loadu_ps(xj), x1 = _mm512_loadu_ps(xj + 16);
+            for (int i = 0; i < TILE_ROWS; i++)
+                total[4 * i + j] = _mm512_fmadd_ps(c1[i], x1, _mm512_fmadd_ps(c0[i], x0, total[4 * i + j]));
+        }
+        if (--left == 0) left = per_group, g++;
+    }
+    tile_finish(m, r0, xsum, j0, R, total, y);
+}
+
+/* Four weight rows from r0 for every row of x (float activations), four activation rows at a time. */
+AVX512 static void tile_float_avx512(const QMatrix *m, int64_t r0, const float *x, const float *xsum, int64_t rows,
+                                     float *y) {
+    for (int64_t j0 = 0; j0 < rows; j0 += 4) {
+        switch (rows - j0 < 4 ? rows - j0 : 4) {
+        case 1: tile_float_body(m, r0, x, xsum, j0, 1, y); break;
+        case 2: tile_float_body(m, r0, x, xsum, j0, 2, y); break;
+        case 3: tile_float_body(m, r0, x, xsum, j0, 3, y); break;
+        default: tile_float_body(m, r0, x, xsum, j0, 4, y);
+        }
+    }
 }
 #endif
 
@@ -813,6 +946,209 @@ VNNI static void quad_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a,
                     (m->bias ? m->bias[r0 + i] : 0.0f);
 }
 
+/* The tile with int8 activations and vpdpbusd, two blocks a step: a pair's codes are unpacked once for the
+ * R activation rows, and each product is weighted by the weight's group scale times the activations' block
+ * scales (at g32 the pair's two scales spread over its halves, as in quad_int8_vnni). */
+VNNI static inline __attribute__((always_inline)) void tile_int8_body(const QMatrix *m, int64_t r0,
+                                                                      const Int8Acts *a, int64_t j0, const int R,
+                                                                      const int g32, float *y) {
+    const int64_t blocks = m->k / QBLOCK, pairs = (blocks + 1) / 2, per_group = m->group_size / QBLOCK;
+    const uint8_t *rows[TILE_ROWS];
+    const uint16_t *scales[TILE_ROWS];
+    __m512 total[16];
+    for (int t = 0; t < 16; t++) total[t] = _mm512_setzero_ps();
+    for (int i = 0; i < TILE_ROWS; i++)
+        rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t p = 0; p < pairs; p++) {
+        const int whole = 2 * p + 1 < blocks;
+        const int64_t g = g32 ? 2 * p : 2 * p / per_group;
+        __m512i c[TILE_ROWS];
+        __m512 s[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) {
+            c[i] = whole ? pair_codes(m, rows[i], rows[i], 2 * p) : last_codes(m, rows[i], rows[i], 2 * p);
+            if (g32) {
+                const uint32_t two = scales[i][g] | (whole ? (uint32_t)scales[i][g + 1] << 16 : 0u);
+                s[i] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two))));
+            } else {
+                s[i] = _mm512_set1_ps(_cvtsh_ss(scales[i][g]));
+            }
+        }
+        for (int j = 0; j < R; j++) {
+            const __m512i q = pair_acts(a, m, j0 + j, 2 * p, whole);
+            const __m512 d = _mm512_loadu_ps(a->dpair + ((j0 + j) * pairs + p) * 16);
+            for (int i = 0; i < TILE_ROWS; i++)
+                total[4 * i + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c[i], q)),
+                                                   _mm512_mul_ps(s[i], d), total[4 * i + j]);
+        }
+    }
+    tile_finish(m, r0, a->gsum, j0, R, total, y);
+}
+
+/* Four weight rows from r0 for every activation row, four at a time (group size 32 or a multiple of 64). */
+VNNI static void tile_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a, int64_t rows, float *y) {
+    const int g32 = m->group_size == QBLOCK;
+    for (int64_t j0 = 0; j0 < rows; j0 += 4) {
+#define TILE_CALL(n) (g32 ? tile_int8_body(m, r0, a, j0, n, 1, y) : tile_int8_body(m, r0, a, j0, n, 0, y))
+        switch (rows - j0 < 4 ? rows - j0 : 4) {
+        case 1: TILE_CALL(1); break;
+        case 2: TILE_CALL(2); break;
+        case 3: TILE_CALL(3); break;
+        default: TILE_CALL(4);
+        }
+#undef TILE_CALL
+    }
+}
+
+#ifdef PB_AMX
+/* ---- AMX: the tile multiply for 5..16 rows of int8 activations ---------------------------------------
+ *
+ * TDPBUSD multiplies a 16 x 32 tile of unsigned bytes (sixteen weight rows' codes for one block of 32)
+ * by a block of every activation row (signed bytes, laid out as its B operand: a->tiles) into 16 x rows
+ * int32 sums in one instruction, where vpdpbusd takes 64 products. Each block's sums are stored, converted
+ * and weighted by the weight's group scale and the block's activation scales (a vector over the rows), so
+ * the activations keep their per-block scales and the result is the VNNI tile's. 4-bit codes are first
+ * unpacked to bytes in nibble order (as the activations are stored), a panel of sixteen rows at a time;
+ * 8-bit codes are read in place. Two blocks are in flight (tiles 0-2 and 3-5), so the conversion of one
+ * overlaps the multiply of the next. */
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define PANEL 16
+/* Fewer rows take the VNNI tile: a panel's cost (unpacking, weighing sixteen rows of sums a block) hardly
+ * depends on the rows, and at four the tile is faster (benchmarks/bench_qkernel.py). */
+#define AMX_MIN_ROWS 5
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0 and 3: weight codes (16 x 32 bytes); 1 and 4: activations (8 x 4 * rows); 2 and 5: sums (16 x rows). */
+AMX static void amx_configure(int64_t rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t += 3) {
+        c.rows[t] = PANEL, c.colsb[t] = QBLOCK;
+        c.rows[t + 1] = QBLOCK / 4, c.colsb[t + 1] = (uint16_t)(4 * rows);
+        c.rows[t + 2] = PANEL, c.colsb[t + 2] = (uint16_t)(4 * rows);
+    }
+    __asm__ volatile("" : : "m"(c) : "memory"); /* gcc 12 drops the stores otherwise: the builtin does not say it reads c */
+    _tile_loadconfig(&c);
+}
+
+AMX static void amx_release(void) { _tile_release(); }
+
+/* a->tiles, d_by_block and gsum_by_group from the rounded activations (rows <= 16). */
+static void amx_layout(const QMatrix *m, int64_t rows, Int8Acts *a) {
+    const int64_t blocks = m->k / QBLOCK;
+    memset(a->tiles, 0, (size_t)blocks * 512);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int k4 = 0; k4 < QBLOCK / 4; k4++)
+                memcpy(a->tiles + b * 512 + k4 * 64 + r * 4, a->q + r * m->k + b * QBLOCK + 4 * k4, 4);
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < PANEL; r++) a->d_by_block[b * PANEL + r] = r < rows ? a->d[r * blocks + b] : 0.0f;
+    for (int64_t g = 0; g < m->groups; g++)
+        for (int64_t r = 0; r < PANEL; r++)
+            a->gsum_by_group[g * PANEL + r] = r < rows ? a->gsum[r * m->groups + g] : 0.0f;
+}
+
+/* Sixteen 4-bit rows from r0 as bytes, each block in nibble order (its 16 low nibbles, then its 16 high). */
+AMX static void unpack_panel(const QMatrix *m, int64_t r0, uint8_t *out) {
+    const int64_t blocks = m->k / QBLOCK;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int i = 0; i < PANEL; i++) {
+        const uint8_t *row = m->qweight + (r0 + i) * m->row_bytes;
+        uint8_t *o = out + i * m->k;
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4) { /* four blocks: 64 packed bytes */
+            const __m512i v = _mm512_loadu_si512((const void *)(row + b * (QBLOCK / 2)));
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            _mm512_storeu_si512((void *)(o + b * QBLOCK), _mm512_permutex2var_epi64(lo, first, hi));
+            _mm512_storeu_si512((void *)(o + b * QBLOCK + 64), _mm512_permutex2var_epi64(lo, second, hi));
+        }
+        for (; b < blocks; b++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(row + b * (QBLOCK / 2)));
+            const __m128i lo = _mm_and_si128(v, _mm512_castsi512_si128(low4));
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm512_castsi512_si128(low4));
+            _mm_storeu_si128((__m128i *)(o + b * QBLOCK), lo);
+            _mm_storeu_si128((__m128i *)(o + b * QBLOCK + 16), hi);
+        }
+    }
+}
+
+/* acc[i] += sums[i] * s[i][g] * d (lanes: activation rows) for the panel's sixteen weight rows. */
+AMX static inline __attribute__((always_inline)) void amx_weigh(const int32_t *sums, const float *scale, int64_t groups,
+                                                                int64_t g, __m512 d, __m512 *acc) {
+#pragma GCC unroll 16
+    for (int i = 0; i < PANEL; i++)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums + i * 16))),
+                                 _mm512_mul_ps(_mm512_set1_ps(scale[i * groups + g]), d), acc[i]);
+}
+
+/* Sixteen weight rows from r0 for `rows` (AMX_MIN_ROWS..16) activation rows; scratch: 16 k bytes (4-bit codes) and
+ * 16 groups floats (the rows' scales). The tile configuration must be loaded (amx_configure(rows)). */
+AMX static void panel_int8_amx(const QMatrix *m, int64_t r0, const Int8Acts *a, int64_t rows, uint8_t *codes,
+                               float *scale, float *y) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK, groups = m->groups;
+    const uint8_t *w = m->qweight + r0 * m->row_bytes;
+    int64_t stride = m->row_bytes;
+    if (m->bits == 4) {
+        unpack_panel(m, r0, codes);
+        w = codes, stride = m->k;
+    }
+    for (int i = 0; i < PANEL; i++) /* the rows' scales as floats, 16 at a time */
+        for (int64_t g = 0; g < groups; g += 16) {
+            const __mmask16 live = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            _mm512_mask_storeu_ps(scale + i * groups + g, live,
+                                  _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + (r0 + i) * groups + g)));
+        }
+    int32_t sums[2][PANEL * 16] __attribute__((aligned(64)));
+    __m512 acc[PANEL];
+    for (int i = 0; i < PANEL; i++) acc[i] = _mm512_setzero_ps();
+    /* A two-stage pipeline: block b's sums are stored and the multiply of b + 2 issued into the same tiles
+     * before b's sums are weighed, while b + 1's multiply runs. */
+#define PB_ISSUE(A, B, C, blk)                                                                                    \
+    do {                                                                                                          \
+        _tile_zero(C);                                                                                            \
+        _tile_loadd(A, w + (blk) * QBLOCK, stride);                                                               \
+        _tile_loadd(B, a->tiles + (blk) * 512, 64);                                                               \
+        _tile_dpbusd(C, A, B);                                                                                    \
+    } while (0)
+    PB_ISSUE(0, 1, 2, 0);
+    if (blocks > 1) PB_ISSUE(3, 4, 5, 1);
+    for (int64_t b = 0; b < blocks; b += 2) {
+        _tile_stored(2, sums[0], 64);
+        if (b + 2 < blocks) PB_ISSUE(0, 1, 2, b + 2);
+        amx_weigh(sums[0], scale, groups, b / per_group, _mm512_loadu_ps(a->d_by_block + b * PANEL), acc);
+        if (b + 1 < blocks) {
+            _tile_stored(5, sums[1], 64);
+            if (b + 3 < blocks) PB_ISSUE(3, 4, 5, b + 3);
+            amx_weigh(sums[1], scale, groups, (b + 1) / per_group, _mm512_loadu_ps(a->d_by_block + (b + 1) * PANEL), acc);
+        }
+    }
+#undef PB_ISSUE
+    /* the zero points' terms: acc[i] -= sum_g s_ig z_ig gsum[g] (gsum a vector over the rows), 16 groups'
+     * s z at a time */
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        const int64_t count = groups - g0 < 16 ? groups - g0 : 16;
+        for (int i = 0; i < PANEL; i++) {
+            float sz[16];
+            _mm512_storeu_ps(sz, scaled_zeros16(m, r0 + i, g0));
+            for (int64_t g = 0; g < count; g++)
+                acc[i] = _mm512_fnmadd_ps(_mm512_set1_ps(sz[g]), _mm512_loadu_ps(a->gsum_by_group + (g0 + g) * PANEL),
+                                          acc[i]);
+        }
+    }
+    float out[PANEL][16];
+    for (int i = 0; i < PANEL; i++) _mm512_storeu_ps(out[i], acc[i]);
+    for (int64_t j = 0; j < rows; j++)
+        for (int i = 0; i < PANEL; i++) y[j * m->n + r0 + i] = out[i][j] + (m->bias ? m->bias[r0 + i] : 0.0f);
+}
+#endif
+
 VNNI static void row_times_int8_vnni(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
                                      const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
                                      float *sz, float *out) {
@@ -882,10 +1218,9 @@ typedef struct {
     size_t bytes;
 } CallBuffer;
 
-static _Thread_local CallBuffer call_buffers[6];
+static _Thread_local CallBuffer call_buffers[9];
 
-static void *call_buffer(int which, size_t bytes) {
-    CallBuffer *b = &call_buffers[which];
+static void *grown(CallBuffer *b, size_t bytes) {
     if (b->bytes < bytes) {
         free(b->data);
         b->data = malloc(bytes);
@@ -893,6 +1228,42 @@ static void *call_buffer(int which, size_t bytes) {
     }
     return b->data;
 }
+
+static void *call_buffer(int which, size_t bytes) { return grown(&call_buffers[which], bytes); }
+
+/* Output rows [r0, r1) of m (at most QUAD of them; a tile kernel takes a whole quad where the shape allows). */
+static void quad_rows(const QMatrix *m, int64_t r0, int64_t r1, const float *x, const float *xq, const float *xsum,
+                      const Int8Acts *a, int use_int8, int64_t rows, Scratch *s, float *y) {
+#ifdef PB_X86
+    if (r1 - r0 == QUAD && tile_eligible(m)) {
+        if (use_int8 && simd_level >= LEVEL_VNNI && (m->group_size == QBLOCK || (m->group_size / QBLOCK) % 2 == 0)) {
+            if (rows == 1)
+                quad_int8_vnni(m, r0, a, y);
+            else
+                tile_int8_vnni(m, r0, a, rows, y);
+            return;
+        }
+        if (!use_int8 && simd_level >= LEVEL_AVX512) {
+            if (rows == 1)
+                quad_float_avx512(m, r0, m->bits == 4 ? xq : x, xsum, y);
+            else
+                tile_float_avx512(m, r0, m->bits == 4 ? xq : x, xsum, rows, y);
+            return;
+        }
+    }
+#endif
+    for (int64_t r = r0; r < r1; r++) {
+        if (use_int8)
+            int8_row(m, r, a, rows, s, y);
+        else
+            float_row(m, r, x, xsum, rows, s, y);
+    }
+}
+
+#ifdef PB_AMX
+/* Each thread's panel scratch for the AMX kernel (16 rows' unpacked codes, their scales), grown on demand. */
+static _Thread_local CallBuffer panel_codes, panel_scales;
+#endif
 
 /* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
  * gate and up): one parallel region over all their rows instead of one each.
@@ -902,27 +1273,42 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
                      int int8_acts) {
     const QMatrix *m0 = &ms[0];
     int failed = 0;
-    int64_t first_tile[MAX_MATRICES + 1] = {0}; /* tiles of QUAD output rows, none across two matrices */
-    for (int i = 0; i < count; i++) first_tile[i + 1] = first_tile[i] + ceil_div(ms[i].n, QUAD);
     const int use_int8 = int8_acts && int8_eligible(m0);
-    Int8Acts a = {NULL, NULL, NULL, NULL};
-    float *xsum = NULL, *xq = NULL; /* xq: x in nibble order, for the 4-bit quad kernel */
+#ifdef PB_AMX
+    const int use_amx = use_int8 && simd_level >= LEVEL_AMX && tile_eligible(m0) && rows >= AMX_MIN_ROWS && rows <= PANEL;
+    const int64_t span = use_amx ? PANEL : QUAD; /* output rows per task: a panel, or a quad */
+#else
+    const int64_t span = QUAD;
+#endif
+    int64_t first_tile[MAX_MATRICES + 1] = {0}; /* tasks of `span` output rows, none across two matrices */
+    for (int i = 0; i < count; i++) first_tile[i + 1] = first_tile[i] + ceil_div(ms[i].n, span);
+    Int8Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    float *xsum = NULL, *xq = NULL; /* xq: x in nibble order, for the 4-bit quad and tile kernels */
     if (use_int8) {
+        const int64_t blocks = m0->k / QBLOCK;
         a.q = call_buffer(0, (size_t)(rows * m0->k));
-        a.d = call_buffer(1, sizeof(float) * (size_t)(rows * (m0->k / QBLOCK)));
+        a.d = call_buffer(1, sizeof(float) * (size_t)(rows * blocks));
         a.gsum = call_buffer(2, sizeof(float) * (size_t)(rows * m0->groups));
-        if (simd_level >= LEVEL_VNNI)
-            a.dpair = call_buffer(3, sizeof(float) * 16 * (size_t)(rows * ceil_div(m0->k / QBLOCK, 2)));
+        if (simd_level >= LEVEL_VNNI) a.dpair = call_buffer(3, sizeof(float) * 16 * (size_t)(rows * ceil_div(blocks, 2)));
         if (!a.q || !a.d || !a.gsum || (simd_level >= LEVEL_VNNI && !a.dpair)) return -1;
         quantize_activations(m0, x, rows, &a);
         if (a.dpair) pair_scales(m0, rows, &a);
+#ifdef PB_AMX
+        if (use_amx) {
+            a.tiles = call_buffer(6, (size_t)blocks * 512);
+            a.d_by_block = call_buffer(7, sizeof(float) * PANEL * (size_t)blocks);
+            a.gsum_by_group = call_buffer(8, sizeof(float) * PANEL * (size_t)m0->groups);
+            if (!a.tiles || !a.d_by_block || !a.gsum_by_group) return -1;
+            amx_layout(m0, rows, &a);
+        }
+#endif
     } else { /* group sums of x, for applying zero points once per group */
         xsum = call_buffer(4, sizeof(float) * (size_t)(rows * m0->groups));
         if (!xsum) return -1;
-        if (quad_eligible(m0, rows) && m0->bits == 4) {
-            xq = call_buffer(5, sizeof(float) * (size_t)m0->k);
+        if (tile_eligible(m0) && m0->bits == 4 && simd_level >= LEVEL_AVX512) {
+            xq = call_buffer(5, sizeof(float) * (size_t)(rows * m0->k));
             if (!xq) return -1;
-            nibble_order(x, m0->k, xq);
+            for (int64_t i = 0; i < rows; i++) nibble_order(x + i * m0->k, m0->k, xq + i * m0->k);
         }
         for (int64_t i = 0; i < rows; i++)
             for (int64_t g = 0; g < m0->groups; g++) {
@@ -936,6 +1322,18 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
     {
         Scratch s;
         int ok = scratch_alloc(&s, m0);
+#ifdef PB_AMX
+        uint8_t *codes = NULL;
+        float *scales = NULL;
+        if (use_amx) {
+            codes = grown(&panel_codes, (size_t)(PANEL * m0->k));
+            scales = grown(&panel_scales, sizeof(float) * PANEL * (size_t)m0->groups);
+            ok = ok && codes && scales;
+            /* configured here, in the thread that runs the tiles, on every call: other code on this thread
+             * (oneDNN's AMX kernels under torch) loads its own configuration and releases it */
+            if (ok) amx_configure(rows);
+        }
+#endif
         failed = !ok;
         /* every thread must reach the work-sharing loop, even one without scratch */
 #pragma omp for schedule(static)
@@ -944,26 +1342,19 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
             int which = 0;
             while (tile >= first_tile[which + 1]) which++;
             const QMatrix *m = &ms[which];
-            const int64_t r0 = (tile - first_tile[which]) * QUAD, r1 = r0 + QUAD < m->n ? r0 + QUAD : m->n;
-#ifdef PB_X86
-            if (r1 - r0 == QUAD && quad_eligible(m, rows)) {
-                if (use_int8 && simd_level >= LEVEL_VNNI && (m->group_size == QBLOCK || (m->group_size / QBLOCK) % 2 == 0)) {
-                    quad_int8_vnni(m, r0, &a, ys[which]);
-                    continue;
-                }
-                if (!use_int8 && simd_level >= LEVEL_AVX512) {
-                    quad_float_avx512(m, r0, m->bits == 4 ? xq : x, xsum, ys[which]);
-                    continue;
-                }
+            const int64_t r0 = (tile - first_tile[which]) * span, r1 = r0 + span < m->n ? r0 + span : m->n;
+#ifdef PB_AMX
+            if (use_amx && r1 - r0 == PANEL) {
+                panel_int8_amx(m, r0, &a, rows, codes, scales, ys[which]);
+                continue;
             }
 #endif
-            for (int64_t r = r0; r < r1; r++) {
-                if (use_int8)
-                    int8_row(m, r, &a, rows, &s, ys[which]);
-                else
-                    float_row(m, r, x, xsum, rows, &s, ys[which]);
-            }
+            for (int64_t q0 = r0; q0 < r1; q0 += QUAD)
+                quad_rows(m, q0, q0 + QUAD < r1 ? q0 + QUAD : r1, x, xq, xsum, &a, use_int8, rows, &s, ys[which]);
         }
+#ifdef PB_AMX
+        if (use_amx && ok) amx_release();
+#endif
     }
     return failed ? -1 : 0;
 }
@@ -1069,7 +1460,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
         if (strcmp(name, LEVEL_NAMES[i]) == 0) wanted = i;
     if (strcmp(name, "best") == 0) wanted = LEVELS - 1;
     if (wanted < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, avx512vnni, best)", name);
+        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, avx512vnni, amx, best)", name);
         return NULL;
     }
     int best = best_level();
@@ -1090,7 +1481,7 @@ static PyMethodDef methods[] = {
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(level) -> the code path now in use: the narrower of `level` and what the CPU runs"},
-    {"simd", py_simd, METH_NOARGS, "the code path in use: 'avx512vnni', 'avx512', 'avx2' or 'portable'"},
+    {"simd", py_simd, METH_NOARGS, "the code path in use: 'amx', 'avx512vnni', 'avx512', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},
 };
 

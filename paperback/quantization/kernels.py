@@ -102,7 +102,7 @@ def kernel_available() -> bool:
 
 
 def kernel_simd() -> str:
-    """'avx512vnni', 'avx512', 'avx2', 'portable', or 'unavailable'."""
+    """'amx', 'avx512vnni', 'avx512', 'avx2', 'portable', or 'unavailable'."""
     return _qkernel.simd() if _qkernel is not None else "unavailable"
 
 

@@ -20,7 +20,7 @@ def make_layer(scheme, out_features, in_features, bias=True, seed=0):
     return QuantLinear.from_quantized(quantize_rtn(w, scheme), torch.randn(out_features) if bias else None)
 
 
-@pytest.fixture(params=["avx512vnni", "avx512", "avx2", "portable"])
+@pytest.fixture(params=["amx", "avx512vnni", "avx512", "avx2", "portable"])
 def simd(request):
     """Each code path the CPU runs, forced in turn."""
     if kernels._qkernel.set_simd(request.param) != request.param:
@@ -35,7 +35,7 @@ def test_the_kernel_is_built():
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, kernels.GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, kernels.GEMV_MAX_ROWS + 1])
 def test_kernel_matches_the_reference(scheme, rows, simd):
     # 584 and 45 exercise tails that are not multiples of the SIMD width or the group size.
     for out_features, in_features in [(48, 576), (33, 584), (5, 45)]:
@@ -77,11 +77,12 @@ def int8_decode():
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if (s.group_size or 32) % 32 == 0], ids=lambda s: s.label)
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
 def test_int8_decode_is_exact_on_the_rounded_activations(scheme, rows, simd, int8_decode):
     # The integer dot products lose nothing beyond rounding x: the float reference on rounded x agrees.
-    # 608 is 19 blocks of 32: an odd count, whose last block the VNNI path takes alone.
-    for out_features, in_features in [(48, 576), (7, 1536), (5, 608)]:
+    # 608 is 19 blocks of 32: an odd count, whose last block the VNNI path takes alone. 21 rows: one AMX
+    # panel of 16, a tile of 4 and a row alone.
+    for out_features, in_features in [(48, 576), (7, 1536), (5, 608), (21, 1536)]:
         layer = make_layer(scheme, out_features, in_features)
         x = torch.randn(rows, in_features) * torch.linspace(0.1, 4, in_features)
         x[0, :32] = 0  # an all-zero block: step 0
