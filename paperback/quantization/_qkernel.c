@@ -440,15 +440,31 @@ AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, co
  * which 255 x 127 x 2 would overflow; |c - 128| <= 128 does not.
  * 4-bit rows are read packed (two codes a byte): a block's 16 bytes give its
  * even codes in the low nibbles and its odd codes in the high ones, so the
- * activations are stored in that order (evens, then odds) for 4-bit matrices.
+ * activations are stored where their codes land (act_offset): per block,
+ * evens then odds; with VNNI, per pair of blocks, both blocks' evens then both
+ * blocks' odds, which is how one 32-byte load gives a pair's 64 codes in two
+ * instructions (pair_codes).
  * Needs k and the group size to be multiples of 32; otherwise the float path. */
 #define QBLOCK 32
 
+/* Where position i (0..31) of block b lies in a row of rounded activations (see above). */
+static inline int64_t act_offset(const QMatrix *m, int64_t blocks, int64_t b, int i) {
+    if (m->bits != 4) return b * QBLOCK + i;
+    const int lone = b == blocks - 1 && blocks % 2 == 1; /* an odd count's last block has no partner */
+    if (simd_level < LEVEL_VNNI || lone) return b * QBLOCK + (i & 1) * (QBLOCK / 2) + (i >> 1);
+    const int64_t h = b & 1;
+    return (b - h) * QBLOCK + (i & 1) * QBLOCK + h * (QBLOCK / 2) + (i >> 1);
+}
+
+/* The lanes of a pair's 16 vpdpbusd sums that hold its second block: the high half for 8-bit codes (read as
+ * they lie), lanes 4-7 and 12-15 for 4-bit ones (pair_codes). A lone last block fills lanes 0-7 either way. */
+static inline unsigned second_block_lanes(const QMatrix *m) { return m->bits == 4 ? 0xF0F0u : 0xFF00u; }
+
 typedef struct {
-    int8_t *q;   /* (rows, k): rounded activations, nibble order for 4-bit */
+    int8_t *q;   /* (rows, k): rounded activations, at act_offset */
     float *d;    /* (rows, k / 32): block scales */
     float *gsum; /* (rows, groups): sum over the group of d * q */
-    float *dpair; /* (rows, ceil(blocks / 2), 16): blocks 2p and 2p + 1's d, each in 8 lanes (VNNI only) */
+    float *dpair; /* (rows, ceil(blocks / 2), 16): blocks 2p and 2p + 1's d in their lanes (VNNI only) */
     /* AMX only, for up to 16 rows: */
     uint8_t *tiles; /* (blocks, 8, 64): block b as TDPBUSD's B operand, [k / 4][row * 4 + k % 4] */
     float *d_by_block;    /* (blocks, 16): block b's d for each row, 0 beyond the rows */
@@ -457,8 +473,51 @@ typedef struct {
 
 static int int8_eligible(const QMatrix *m) { return m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0; }
 
+#ifdef PB_X86
+/* quantize_activations with AVX-512, a block a step: the same rounding (vcvtps2dq rounds to nearest even, as
+ * lrintf does in the default mode) and the same bytes, stored with each block's evens and odds apart where
+ * 4-bit codes need them (act_offset: both halves are 16 contiguous bytes). */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_activations_avx512(const QMatrix *m,
+                                                                                          const float *x,
+                                                                                          int64_t rows,
+                                                                                          Int8Acts *a) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * m->k;
+        int8_t *qr = a->q + r * m->k;
+        for (int64_t g = 0; g < m->groups; g++) a->gsum[r * m->groups + g] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512 x0 = _mm512_loadu_ps(xr + b * QBLOCK), x1 = _mm512_loadu_ps(xr + b * QBLOCK + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+            const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+            if (m->bits == 4) {
+                _mm_storeu_si128((__m128i *)(qr + act_offset(m, blocks, b, 0)),
+                                 _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(v0, evens, v1)));
+                _mm_storeu_si128((__m128i *)(qr + act_offset(m, blocks, b, 1)),
+                                 _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(v0, odds, v1)));
+            } else {
+                _mm_storeu_si128((__m128i *)(qr + b * QBLOCK), _mm512_cvtepi32_epi8(v0));
+                _mm_storeu_si128((__m128i *)(qr + b * QBLOCK + 16), _mm512_cvtepi32_epi8(v1));
+            }
+            a->d[r * blocks + b] = d;
+            a->gsum[r * m->groups + b / per_group] += d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+        }
+    }
+}
+#endif
+
 static void quantize_activations(const QMatrix *m, const float *x, int64_t rows, Int8Acts *a) {
     const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+#ifdef PB_X86
+    if (simd_level >= LEVEL_AVX512) {
+        quantize_activations_avx512(m, x, rows, a);
+        return;
+    }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * m->k;
         int8_t *qr = a->q + r * m->k;
@@ -468,13 +527,10 @@ static void quantize_activations(const QMatrix *m, const float *x, int64_t rows,
             float amax = 0.0f;
             for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
             const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *qb = qr + b * QBLOCK;
             int isum = 0;
             for (int i = 0; i < QBLOCK; i++) {
                 const int v = (int)lrintf(xb[i] * inv);
-                /* 4-bit: position i goes where its code sits, evens first */
-                const int at = m->bits == 4 ? (i & 1) * (QBLOCK / 2) + (i >> 1) : i;
-                qb[at] = (int8_t)v;
+                qr[act_offset(m, blocks, b, i)] = (int8_t)v; /* where its code sits */
                 isum += v;
             }
             a->d[r * blocks + b] = d;
@@ -486,11 +542,14 @@ static void quantize_activations(const QMatrix *m, const float *x, int64_t rows,
 /* a->dpair from a->d: the VNNI kernel weights a pair of blocks' 16 int32 lanes with one vector. */
 static void pair_scales(const QMatrix *m, int64_t rows, Int8Acts *a) {
     const int64_t blocks = m->k / QBLOCK, pairs = ceil_div(blocks, 2);
+    const unsigned second = second_block_lanes(m);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t p = 0; p < pairs; p++)
             for (int i = 0; i < 16; i++) {
-                const int64_t b = 2 * p + i / 8;
-                a->dpair[(r * pairs + p) * 16 + i] = b < blocks ? a->d[r * blocks + b] : 0.0f;
+                const int lone = 2 * p + 1 == blocks;
+                const float d = lone ? (i < 8 ? a->d[r * blocks + 2 * p] : 0.0f)
+                                     : a->d[r * blocks + 2 * p + ((second >> i) & 1)];
+                a->dpair[(r * pairs + p) * 16 + i] = d;
             }
 }
 
@@ -507,10 +566,8 @@ static void row_dot_int8_portable(const QMatrix *m, const uint8_t *codes, const 
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t g = b / per_group;
             int isum = 0;
-            if (m->bits == 4) { /* q is in nibble order; codes are unpacked in natural order */
-                for (int i = 0; i < QBLOCK / 2; i++)
-                    isum += codes[b * QBLOCK + 2 * i] * q[b * QBLOCK + i] +
-                            codes[b * QBLOCK + 2 * i + 1] * q[b * QBLOCK + QBLOCK / 2 + i];
+            if (m->bits == 4) { /* codes are unpacked in natural order, q lies at act_offset */
+                for (int i = 0; i < QBLOCK; i++) isum += codes[b * QBLOCK + i] * q[act_offset(m, blocks, b, i)];
             } else {
                 for (int i = 0; i < QBLOCK; i++) isum += ((int)codes[b * QBLOCK + i] - offset) * q[b * QBLOCK + i];
             }
@@ -621,11 +678,6 @@ static int tile_eligible(const QMatrix *m) {
 }
 
 
-static float zero_point(const QMatrix *m, int64_t r, int64_t g) {
-    if (!m->qzeros) return (float)(1 << (m->bits - 1));
-    const uint8_t *z = m->qzeros + r * m->zero_row_bytes;
-    return m->bits == 8 ? (float)z[g] : (float)((z[g >> 1] >> ((g & 1) * 4)) & 15);
-}
 
 /* x in the order a 4-bit block's packed bytes give its codes: evens (low nibbles), then odds. */
 static void nibble_order(const float *x, int64_t k, float *out) {
@@ -634,31 +686,32 @@ static void nibble_order(const float *x, int64_t k, float *out) {
 }
 
 #ifdef PB_X86
+/* Groups [g, g + 16) of row r: scale times zero point, 0 beyond the row's groups. */
+AVX512 static inline __m512 scaled_zeros16(const QMatrix *m, int64_t r, int64_t g) {
+    const int64_t left = m->groups - g < 16 ? m->groups - g : 16;
+    const __mmask16 live = (__mmask16)((1u << left) - 1);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + r * m->groups + g));
+    if (!m->qzeros) return _mm512_mul_ps(scale, _mm512_set1_ps((float)(1 << (m->bits - 1))));
+    const uint8_t *z = m->qzeros + r * m->zero_row_bytes;
+    __m128i codes;
+    if (m->bits == 4) { /* ceil(left / 2) bytes, low nibble first: interleaved back to group order */
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        codes = _mm_maskz_loadu_epi8((__mmask16)((1u << ((left + 1) / 2)) - 1), z + g / 2);
+        codes = _mm_unpacklo_epi8(_mm_and_si128(codes, low4), _mm_and_si128(_mm_srli_epi16(codes, 4), low4));
+    } else {
+        codes = _mm_maskz_loadu_epi8(live, z + g);
+    }
+    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)));
+}
+
 /* sum_g s_g z_g sums_g for row r: the zero points' term, sixteen groups a step (at g32 a row has 18). */
 AVX512 static float zero_term_avx512(const QMatrix *m, int64_t r, const float *sums) {
-    const uint16_t *h = m->scales + r * m->groups;
-    const uint8_t *z = m->qzeros ? m->qzeros + r * m->zero_row_bytes : NULL;
     __m512 acc = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 16 <= m->groups; g += 16) {
-        __m512 zero;
-        if (!z) {
-            zero = _mm512_set1_ps((float)(1 << (m->bits - 1)));
-        } else {
-            __m128i codes = m->bits == 4 ? _mm_loadl_epi64((const __m128i *)(z + g / 2))
-                                         : _mm_loadu_si128((const __m128i *)(z + g));
-            if (m->bits == 4) { /* eight bytes, low nibble first: interleave back to group order */
-                const __m128i low4 = _mm_set1_epi8(0x0f);
-                codes = _mm_unpacklo_epi8(_mm_and_si128(codes, low4), _mm_and_si128(_mm_srli_epi16(codes, 4), low4));
-            }
-            zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
-        }
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g)));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(scale, zero), _mm512_loadu_ps(sums + g), acc);
+    for (int64_t g = 0; g < m->groups; g += 16) {
+        const __mmask16 live = m->groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m->groups - g)) - 1);
+        acc = _mm512_fmadd_ps(scaled_zeros16(m, r, g), _mm512_maskz_loadu_ps(live, sums + g), acc);
     }
-    float total = _mm512_reduce_add_ps(acc);
-    for (; g < m->groups; g++) total += _cvtsh_ss(h[g]) * zero_point(m, r, g) * sums[g];
-    return total;
+    return _mm512_reduce_add_ps(acc);
 }
 
 /* Four rows' y from float activations: 16 codes become floats and meet x in one multiply-add; per group
@@ -704,24 +757,6 @@ AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *
  * the 16 products accumulate in registers, the zero points' terms are subtracted lane-wise (16 groups a
  * step), and the 16 sums are reduced together (sum16). */
 #define TILE_ROWS 4
-
-/* Groups [g, g + 16) of row r: scale times zero point, 0 beyond the row's groups. */
-AVX512 static inline __m512 scaled_zeros16(const QMatrix *m, int64_t r, int64_t g) {
-    const int64_t left = m->groups - g < 16 ? m->groups - g : 16;
-    const __mmask16 live = (__mmask16)((1u << left) - 1);
-    const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + r * m->groups + g));
-    if (!m->qzeros) return _mm512_mul_ps(scale, _mm512_set1_ps((float)(1 << (m->bits - 1))));
-    const uint8_t *z = m->qzeros + r * m->zero_row_bytes;
-    __m128i codes;
-    if (m->bits == 4) { /* ceil(left / 2) bytes, low nibble first: interleaved back to group order */
-        const __m128i low4 = _mm_set1_epi8(0x0f);
-        codes = _mm_maskz_loadu_epi8((__mmask16)((1u << ((left + 1) / 2)) - 1), z + g / 2);
-        codes = _mm_unpacklo_epi8(_mm_and_si128(codes, low4), _mm_and_si128(_mm_srli_epi16(codes, 4), low4));
-    } else {
-        codes = _mm_maskz_loadu_epi8(live, z + g);
-    }
-    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)));
-}
 
 /* total[4 i + j] -= sum_g s_ig z_ig sums_j[g] for the tile's rows (sums: a row's group sums of x, or of the
  * rounded activations), then y[j0 + j, r0 + i] = the reduced total (+ bias). */
@@ -803,17 +838,24 @@ AVX512 static void tile_float_avx512(const QMatrix *m, int64_t r0, const float *
 /* Two blocks' 64 codes as unsigned bytes, in the activations' order. vpdpbusd
  * sums four unsigned x signed byte products into an int32 without saturating,
  * so 8-bit codes go in as they are (no c - 128) and the zero term is plain z.
- * 4-bit: the 32 packed bytes give [low nibbles b, b+1 | high nibbles b, b+1];
- * the 128-bit lanes are reordered to [low b, high b, low b+1, high b+1]. */
+ * 4-bit: the pair's 32 packed bytes, loaded into both halves, give their low
+ * nibbles in the low half and their high ones in the high half (a shift by 0
+ * or 4 per half, one mask): [evens b, evens b+1 | odds b, odds b+1], as
+ * act_offset stores the activations; no shuffle. */
 VNNI static inline __m512i pair_codes(const QMatrix *m, const uint8_t *packed, const uint8_t *codes, int64_t b) {
     if (m->bits == 4) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(packed + b * (QBLOCK / 2)));
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(packed + b * (QBLOCK / 2))));
+        const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                                0x0004000400040004, 0, 0, 0, 0);
+        return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(0x0f));
     }
     return _mm512_loadu_si512((const void *)(codes + b * QBLOCK));
+}
+
+/* permutexvar indices that put a pair's two scales (lanes 0 and 1) over its blocks' lanes; a lone last
+ * block's scale everywhere (its high lanes' products are 0). */
+VNNI static inline __m512i pair_spread(const QMatrix *m, int whole) {
+    return _mm512_maskz_mov_epi32((__mmask16)(whole ? second_block_lanes(m) : 0u), _mm512_set1_epi32(1));
 }
 
 /* The last block of an odd count, in the low half (the high half's activations are zero). */
@@ -828,7 +870,7 @@ VNNI static inline __m512i last_codes(const QMatrix *m, const uint8_t *packed, c
 }
 
 /* row_dot_int8_avx2 with vpdpbusd: two blocks per instruction. The pair's activation scales come
- * pre-broadcast (a->dpair: d_b in lanes 0-7, d_b+1 in lanes 8-15), so a pair costs one dot, one convert
+ * pre-broadcast (a->dpair: d_b and d_b+1 in their blocks' lanes), so a pair costs one dot, one convert
  * and one multiply-add. When a group holds whole pairs (group size a multiple of 64), a group's pairs
  * are summed first and its scale applied once; otherwise (g32, or odd block counts) each half of a pair
  * takes its own group's scale. */
@@ -875,8 +917,8 @@ VNNI static inline __attribute__((always_inline)) void row_dot_int8_vnni(const Q
             const int whole = 2 * p + 1 < blocks;
             const int64_t g1 = left > 1 ? g0 : g0 + 1; /* the group of block 2p + 1 */
             const __m512i c = whole ? pair_codes(m, packed, codes, 2 * p) : last_codes(m, packed, codes, 2 * p);
-            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale[g0]),
-                                                  _mm512_set1_ps(whole ? scale[g1] : 0.0f));
+            const __m512 s = _mm512_mask_blend_ps((__mmask16)(whole ? second_block_lanes(m) : 0u),
+                                                  _mm512_set1_ps(scale[g0]), _mm512_set1_ps(scale[g1]));
             for (int j = 0; j < mb; j++) {
                 const int64_t r = first + j;
                 const __m512 prod = _mm512_cvtepi32_ps(
@@ -906,11 +948,11 @@ VNNI static void quad_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a,
         total[i] = _mm512_setzero_ps();
     }
     if (per_group == 1) {
-        const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int64_t p = 0; p < pairs; p++) {
             const int whole = 2 * p + 1 < blocks;
             const __m512i q = pair_acts(a, m, 0, 2 * p, whole);
             const __m512 d = _mm512_loadu_ps(a->dpair + p * 16);
+            const __m512i spread = pair_spread(m, whole);
             for (int i = 0; i < QUAD; i++) {
                 const __m512i c = whole ? pair_codes(m, rows[i], rows[i], 2 * p) : last_codes(m, rows[i], rows[i], 2 * p);
                 /* the pair's two fp16 scales (a lone last block has one; its d is 0 beyond) */
@@ -959,10 +1001,10 @@ VNNI static inline __attribute__((always_inline)) void tile_int8_body(const QMat
     for (int t = 0; t < 16; t++) total[t] = _mm512_setzero_ps();
     for (int i = 0; i < TILE_ROWS; i++)
         rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t p = 0; p < pairs; p++) {
         const int whole = 2 * p + 1 < blocks;
         const int64_t g = g32 ? 2 * p : 2 * p / per_group;
+        const __m512i spread = pair_spread(m, whole);
         __m512i c[TILE_ROWS];
         __m512 s[TILE_ROWS];
         for (int i = 0; i < TILE_ROWS; i++) {
@@ -983,6 +1025,73 @@ VNNI static inline __attribute__((always_inline)) void tile_int8_body(const QMat
         }
     }
     tile_finish(m, r0, a->gsum, j0, R, total, y);
+}
+
+/* ---- one activation row, sixteen weight rows a task (int8, VNNI) ----------------------------------------
+ *
+ * At K = 576 a quad's four rows have nine pairs of blocks each: its scales converted one at a time, its four
+ * reductions and four zero terms cost as much as its 36 dot products. Here a task takes sixteen rows: their
+ * scales are converted to floats sixteen at a time first, each pair's activations and block scales are
+ * loaded once for the sixteen, each product is weighted by d times its row's scale (a broadcast from that
+ * table), the zero terms are subtracted lane-wise, and the sixteen sums are reduced together (sum16). */
+#define HEX 16
+
+/* The scales of rows r0..r0+15 as floats, row i's at scale[i * groups]. */
+AVX512 static void hex_scales(const QMatrix *m, int64_t r0, float *scale) {
+    for (int i = 0; i < HEX; i++)
+        for (int64_t g = 0; g < m->groups; g += 16) {
+            const __mmask16 live = m->groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m->groups - g)) - 1);
+            _mm512_mask_storeu_ps(scale + i * m->groups + g, live,
+                                  _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + (r0 + i) * m->groups + g)));
+        }
+}
+
+/* total[i] -= sum_g s_ig z_ig sums[g] for the sixteen rows; then y[r0 + i] = their reduced sums (+ bias). */
+AVX512 static inline __attribute__((always_inline)) void hex_finish(const QMatrix *m, int64_t r0, const float *sums,
+                                                                    __m512 *total, float *y) {
+    for (int64_t g = 0; g < m->groups; g += 16) {
+        const __mmask16 live = m->groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (m->groups - g)) - 1);
+        const __m512 gs = _mm512_maskz_loadu_ps(live, sums + g);
+        for (int i = 0; i < HEX; i++) total[i] = _mm512_fnmadd_ps(scaled_zeros16(m, r0 + i, g), gs, total[i]);
+    }
+    __m512 out = sum16(total);
+    if (m->bias) out = _mm512_add_ps(out, _mm512_loadu_ps(m->bias + r0));
+    _mm512_storeu_ps(y + r0, out);
+}
+
+VNNI static inline __attribute__((always_inline)) void hex_int8_body(const QMatrix *m, int64_t r0, const Int8Acts *a,
+                                                                     const float *scale, const int g32, float *y) {
+    const int64_t blocks = m->k / QBLOCK, pairs = (blocks + 1) / 2, per_group = m->group_size / QBLOCK;
+    const int64_t groups = m->groups;
+    const uint8_t *rows = m->qweight + r0 * m->row_bytes;
+    __m512 total[HEX];
+    for (int i = 0; i < HEX; i++) total[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const int whole = 2 * p + 1 < blocks;
+        const __m512i q = pair_acts(a, m, 0, 2 * p, whole);
+        const __m512 d = _mm512_loadu_ps(a->dpair + p * 16);
+        const int64_t g = g32 ? 2 * p : 2 * p / per_group;
+        const __mmask16 second = (__mmask16)(whole ? second_block_lanes(m) : 0u);
+#pragma GCC unroll 16
+        for (int i = 0; i < HEX; i++) {
+            const uint8_t *row = rows + i * m->row_bytes;
+            const __m512i c = whole ? pair_codes(m, row, row, 2 * p) : last_codes(m, row, row, 2 * p);
+            __m512 s = _mm512_set1_ps(scale[i * groups + g]);
+            if (g32) s = _mm512_mask_blend_ps(second, s, _mm512_set1_ps(scale[i * groups + g + whole]));
+            total[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, q)),
+                                       _mm512_mul_ps(d, s), total[i]);
+        }
+    }
+    hex_finish(m, r0, a->gsum, total, y);
+}
+
+/* Sixteen weight rows from r0 for one row of int8 activations; scale: 16 groups floats of scratch. */
+VNNI static void hex_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a, float *scale, float *y) {
+    hex_scales(m, r0, scale);
+    if (m->group_size == QBLOCK)
+        hex_int8_body(m, r0, a, scale, 1, y);
+    else
+        hex_int8_body(m, r0, a, scale, 0, y);
 }
 
 /* Four weight rows from r0 for every activation row, four at a time (group size 32 or a multiple of 64). */
@@ -1012,6 +1121,15 @@ VNNI static void tile_int8_vnni(const QMatrix *m, int64_t r0, const Int8Acts *a,
  * 8-bit codes are read in place. Two blocks are in flight (tiles 0-2 and 3-5), so the conversion of one
  * overlaps the multiply of the next. */
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+/* The packed bytes of rows [r0, r0 + count) into L2, where they exist: a panel's work is long enough to hide
+ * the next panel's fetch, which the hardware prefetchers, seeing sixteen short rows, start late. */
+static void prefetch_rows(const QMatrix *m, int64_t r0, int64_t count) {
+    if (r0 >= m->n) return;
+    if (r0 + count > m->n) count = m->n - r0;
+    const char *p = (const char *)(m->qweight + r0 * m->row_bytes), *end = p + count * m->row_bytes;
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+}
 #define PANEL 16
 /* Fewer rows take the VNNI tile: a panel's cost (unpacking, weighing sixteen rows of sums a block) hardly
  * depends on the rows, and at four the tile is faster (benchmarks/bench_qkernel.py). */
@@ -1043,10 +1161,17 @@ AMX static void amx_release(void) { _tile_release(); }
 static void amx_layout(const QMatrix *m, int64_t rows, Int8Acts *a) {
     const int64_t blocks = m->k / QBLOCK;
     memset(a->tiles, 0, (size_t)blocks * 512);
+    /* column c of a block's weight tile holds code c of unpack_panel's order (4-bit: the block's evens, then
+     * its odds; 8-bit: natural), so row r's byte for it is its activation at that position */
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int k4 = 0; k4 < QBLOCK / 4; k4++)
-                memcpy(a->tiles + b * 512 + k4 * 64 + r * 4, a->q + r * m->k + b * QBLOCK + 4 * k4, 4);
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *q = a->q + r * m->k;
+            /* codes 0-15 of the order: the block's evens (4-bit) or its first 16; 16-31: its odds or last 16 */
+            const int8_t *half[2] = {q + act_offset(m, blocks, b, 0),
+                                     q + (m->bits == 4 ? act_offset(m, blocks, b, 1) : b * QBLOCK + 16)};
+            for (int c = 0; c < QBLOCK; c += 4)
+                memcpy(a->tiles + b * 512 + (c / 4) * 64 + r * 4, half[c / 16] + c % 16, 4);
+        }
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t r = 0; r < PANEL; r++) a->d_by_block[b * PANEL + r] = r < rows ? a->d[r * blocks + b] : 0.0f;
     for (int64_t g = 0; g < m->groups; g++)
@@ -1095,16 +1220,12 @@ AMX static void panel_int8_amx(const QMatrix *m, int64_t r0, const Int8Acts *a, 
     const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK, groups = m->groups;
     const uint8_t *w = m->qweight + r0 * m->row_bytes;
     int64_t stride = m->row_bytes;
+    prefetch_rows(m, r0 + PANEL, PANEL);
     if (m->bits == 4) {
         unpack_panel(m, r0, codes);
         w = codes, stride = m->k;
     }
-    for (int i = 0; i < PANEL; i++) /* the rows' scales as floats, 16 at a time */
-        for (int64_t g = 0; g < groups; g += 16) {
-            const __mmask16 live = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-            _mm512_mask_storeu_ps(scale + i * groups + g, live,
-                                  _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, m->scales + (r0 + i) * groups + g)));
-        }
+    hex_scales(m, r0, scale);
     int32_t sums[2][PANEL * 16] __attribute__((aligned(64)));
     __m512 acc[PANEL];
     for (int i = 0; i < PANEL; i++) acc[i] = _mm512_setzero_ps();
@@ -1260,10 +1381,9 @@ static void quad_rows(const QMatrix *m, int64_t r0, int64_t r1, const float *x, 
     }
 }
 
-#ifdef PB_AMX
-/* Each thread's panel scratch for the AMX kernel (16 rows' unpacked codes, their scales), grown on demand. */
+/* Each thread's scratch for the sixteen-row kernels (their scales as floats; the AMX kernel's unpacked
+ * codes), grown on demand. */
 static _Thread_local CallBuffer panel_codes, panel_scales;
-#endif
 
 /* y_i = x W_i^T (+ b_i) for several matrices that read the same x (q, k and v;
  * gate and up): one parallel region over all their rows instead of one each.
@@ -1276,10 +1396,12 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
     const int use_int8 = int8_acts && int8_eligible(m0);
 #ifdef PB_AMX
     const int use_amx = use_int8 && simd_level >= LEVEL_AMX && tile_eligible(m0) && rows >= AMX_MIN_ROWS && rows <= PANEL;
-    const int64_t span = use_amx ? PANEL : QUAD; /* output rows per task: a panel, or a quad */
 #else
-    const int64_t span = QUAD;
+    const int use_amx = 0;
 #endif
+    const int use_hex = use_int8 && simd_level >= LEVEL_VNNI && tile_eligible(m0) && rows == 1 &&
+                        (m0->group_size == QBLOCK || (m0->group_size / QBLOCK) % 2 == 0);
+    const int64_t span = use_amx || use_hex ? 16 : QUAD; /* output rows per task: sixteen, or a quad */
     int64_t first_tile[MAX_MATRICES + 1] = {0}; /* tasks of `span` output rows, none across two matrices */
     for (int i = 0; i < count; i++) first_tile[i + 1] = first_tile[i] + ceil_div(ms[i].n, span);
     Int8Acts a = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
@@ -1322,13 +1444,13 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
     {
         Scratch s;
         int ok = scratch_alloc(&s, m0);
+        float *scales = use_amx || use_hex ? grown(&panel_scales, sizeof(float) * 16 * (size_t)m0->groups) : NULL;
+        ok = ok && (scales || !(use_amx || use_hex));
 #ifdef PB_AMX
         uint8_t *codes = NULL;
-        float *scales = NULL;
         if (use_amx) {
             codes = grown(&panel_codes, (size_t)(PANEL * m0->k));
-            scales = grown(&panel_scales, sizeof(float) * PANEL * (size_t)m0->groups);
-            ok = ok && codes && scales;
+            ok = ok && codes;
             /* configured here, in the thread that runs the tiles, on every call: other code on this thread
              * (oneDNN's AMX kernels under torch) loads its own configuration and releases it */
             if (ok) amx_configure(rows);
@@ -1346,6 +1468,12 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
 #ifdef PB_AMX
             if (use_amx && r1 - r0 == PANEL) {
                 panel_int8_amx(m, r0, &a, rows, codes, scales, ys[which]);
+                continue;
+            }
+#endif
+#ifdef PB_X86
+            if (use_hex && r1 - r0 == HEX) {
+                hex_int8_vnni(m, r0, &a, scales, ys[which]);
                 continue;
             }
 #endif

@@ -43,6 +43,14 @@ _scratch = threading.local()
 # PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
 enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 
+# PAPERBACK_SIMD caps the kernel's code path (amx, avx512vnni, avx512, avx2, portable; default: the widest this
+# CPU runs), to measure one path against another or to step around one.
+if _qkernel is not None and os.environ.get("PAPERBACK_SIMD"):
+    try:
+        _qkernel.set_simd(os.environ["PAPERBACK_SIMD"])
+    except ValueError as exc:
+        raise PaperbackError(f"PAPERBACK_SIMD: {exc}") from None
+
 
 def _mode(value: str, allowed: tuple[str, ...], what: str) -> str:
     """value, or a one-line user error naming the choices (the CLI prints it as such)."""
