@@ -38,7 +38,6 @@ from paperback.evaluation import evaluate, load_text, make_windows, window_ids
 from paperback.loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
 BAR = 0.01  # llama.cpp within 1% of paperback's perplexity
 
 # row -> the `paperback quantize` flags it adds to the defaults (None: the source GGUF as it is)
@@ -52,12 +51,9 @@ ROWS = {
 
 
 def llamacpp_perplexity(gguf_file: Path, windows_file: Path) -> dict:
-    proc = subprocess.run([str(LLAMACPP_PYTHON), str(ROOT / "benchmarks" / "peers" / "llamacpp_perplexity.py"),
-                           str(gguf_file), str(windows_file)], capture_output=True, text=True)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"llama.cpp failed on {gguf_file} (its stderr is above)")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from results_io import run_llamacpp_peer
+
+    return run_llamacpp_peer("llamacpp_perplexity.py", [str(gguf_file), str(windows_file)])
 
 
 def paperback_perplexity(model_path: str, tokens: list[int], args, bos: int | None) -> float:
@@ -98,7 +94,7 @@ def run() -> int:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--out", type=Path, default=None, help="JSON to write (default benchmarks/results/...)")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
+    from results_io import LLAMACPP_PYTHON, warn_if_busy, write_results
 
     warn_if_busy()
     if not LLAMACPP_PYTHON.exists():

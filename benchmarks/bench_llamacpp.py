@@ -17,9 +17,12 @@ configuration runs in a fresh process, on the same 512-token WikiText-2
 prompt (ids cut by paperback and handed to llama.cpp as ids), at each thread
 count, --trials times in rotation (so drift hits every row alike); the table
 keeps each row's fastest batch-1 decode trial. Ratios are to llama.cpp on the
-bundled GGUF at the same thread count; the roofline is the measured read
-bandwidth over the bytes a decode step reads (weights + f16 KV for llama.cpp,
-paperback's own count for paperback). Writes benchmarks/results/llamacpp_<model>.json.
+bundled GGUF at the same thread count; the roofline is the read bandwidth,
+measured with the row's own thread count, over the bytes a decode step reads
+(weights + f16 KV for llama.cpp, paperback's own count for paperback; the JSON
+also keeps the fraction of the all-threads bandwidth); "roofline b8 / b1" is
+the batch-8 scaling the roofline itself allows (eight caches read a step
+against one). Writes benchmarks/results/llamacpp_<model>.json.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ from paperback.cli.output import print_table
 from paperback.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import LLAMACPP_PYTHON, run_llamacpp_peer, warn_if_busy, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
 
 # checkpoint name -> `paperback quantize` flags (RTN: speed does not depend on how codes were chosen)
 CHECKPOINTS = {
@@ -77,14 +79,9 @@ def gguf_weight_bytes(path: Path) -> int:
 
 
 def llamacpp_run(gguf_file: Path, prompt_file: Path, threads: int, cfg: BenchConfig) -> dict:
-    proc = subprocess.run([str(LLAMACPP_PYTHON), str(ROOT / "benchmarks" / "peers" / "llamacpp_speed.py"),
-                           str(gguf_file), str(prompt_file), "--threads", str(threads),
-                           "--decode-tokens", str(cfg.decode_tokens), "--repeats", str(cfg.repeats)],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-3000:])
-        raise SystemExit(f"llama.cpp failed on {gguf_file}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_llamacpp_peer("llamacpp_speed.py", [str(gguf_file), str(prompt_file), "--threads", str(threads),
+                                                   "--decode-tokens", str(cfg.decode_tokens),
+                                                   "--repeats", str(cfg.repeats)])
 
 
 def main() -> int:
@@ -108,6 +105,8 @@ def main() -> int:
                       batches=tuple(args.batch))
     kv_per_token = 2 * lm.config.num_layers * lm.config.num_kv_heads * lm.config.head_dim * 2  # f16 K and V
     bandwidth = max(fresh_process_bandwidth() for _ in range(2))
+    # what the run's own threads can read: one core pulls a fraction of the machine's bandwidth
+    bandwidth_at = {t: max(fresh_process_bandwidth(t) for _ in range(2)) for t in args.threads}
     results: dict[str, dict[int, list[dict]]] = {row: {t: [] for t in args.threads} for row in args.rows}
     with tempfile.TemporaryDirectory(prefix="paperback-llamacpp-") as tmp:
         tmp = Path(tmp)
@@ -142,6 +141,7 @@ def main() -> int:
                                       "prefill": round(r["prefill_tokens_per_s"], 1),
                                       "decode": round(r["decode"]["1"]["decode_tokens_per_s"], 1)}), flush=True)
     bandwidth = max(bandwidth, fresh_process_bandwidth())
+    bandwidth_at = {t: min(bandwidth, max(b, fresh_process_bandwidth(t))) for t, b in bandwidth_at.items()}
     best = {row: {t: max(runs, key=lambda r: r["decode"]["1"]["decode_tokens_per_s"]) for t, runs in by_t.items()}
             for row, by_t in results.items()}
     table = []
@@ -150,30 +150,46 @@ def main() -> int:
         for row in args.rows:
             r = best[row][threads]
             decode = r["decode"]["1"]["decode_tokens_per_s"]
-            roof = bandwidth / r["step_bytes"]
+            roof, roof_machine = bandwidth_at[threads] / r["step_bytes"], bandwidth / r["step_bytes"]
             batch8 = r["decode"].get("8", {}).get("decode_tokens_per_s")
+            # the scaling the roofline itself allows: 8 sequences read the weights once and 8 caches
+            facts = r.get("model", {})
+            batch8_roof = (8 * r["step_bytes"] / (facts["weight_bytes_read_per_step"] + 8 * facts["kv_bytes_read_per_step"])
+                           if batch8 and facts else None)
             table.append({"threads": threads, "row": row, "step_MiB": r["step_bytes"] / 2 ** 20,
                           "prefill_tokens_per_s": r["prefill_tokens_per_s"],
                           "prefill_vs_llamacpp": r["prefill_tokens_per_s"] / base["prefill_tokens_per_s"],
                           "decode_tokens_per_s": decode,
                           "decode_vs_llamacpp": decode / base["decode"]["1"]["decode_tokens_per_s"],
                           "roofline_tokens_per_s": roof, "roofline_fraction": decode / roof,
+                          "roofline_fraction_all_threads_bandwidth": decode / roof_machine,
                           "batch8_tokens_per_s": batch8, "batch8_scaling": batch8 / decode if batch8 else None,
+                          "batch8_roofline_scaling": batch8_roof,
                           "trials_decode_tokens_per_s": [x["decode"]["1"]["decode_tokens_per_s"]
                                                          for x in results[row][threads]]})
     warn_if_busy(max(args.threads))
     print_table(f"{args.model}: prompt {cfg.prompt_tokens}, decode {cfg.decode_tokens} greedy tokens, best of "
-                f"{args.trials} alternating trials; ratios to {BASELINE}; read bandwidth {bandwidth / 1e9:.1f} GB/s",
+                f"{args.trials} alternating trials; ratios to {BASELINE}; read bandwidth "
+                + ", ".join(f"{bandwidth_at[t] / 1e9:.1f} GB/s at {t} thread(s)" for t in args.threads),
                 ["threads", "row", "MiB/step", "prefill tok/s", "x llama.cpp", "decode tok/s", "x llama.cpp",
-                 "of roofline", "batch 8 tok/s", "b8 / b1"],
+                 "of roofline", "batch 8 tok/s", "b8 / b1", "roofline b8 / b1"],
                 [[str(t["threads"]), t["row"], f"{t['step_MiB']:.0f}", f"{t['prefill_tokens_per_s']:.0f}",
                   f"{t['prefill_vs_llamacpp']:.2f}", f"{t['decode_tokens_per_s']:.1f}",
                   f"{t['decode_vs_llamacpp']:.2f}", f"{t['roofline_fraction']:.0%}",
                   f"{t['batch8_tokens_per_s']:.0f}" if t["batch8_tokens_per_s"] else "-",
-                  f"{t['batch8_scaling']:.1f}" if t["batch8_scaling"] else "-"] for t in table])
+                  f"{t['batch8_scaling']:.1f}" if t["batch8_scaling"] else "-",
+                  f"{t['batch8_roofline_scaling']:.1f}" if t["batch8_roofline_scaling"] else "-"] for t in table])
+    repacked = {r.get("extra_bufts", True) for row, by_t in results.items() if ROWS[row][0] == "llama.cpp"
+                for trials in by_t.values() for r in trials}
+    if False in repacked:
+        print("llama.cpp ran without its weight repacking (use_extra_bufts off): with it, its AMX matmul crashed "
+              "on this CPU (ggml-org/llama.cpp#20824)")
     runs = {row: {str(t): trials for t, trials in by_t.items()} for row, by_t in results.items()}
     write_results(f"llamacpp_{args.model}.json", {"model": args.model, "config": cfg.to_dict(), "trials": args.trials,
-                                                  "bandwidth_bytes_per_s": bandwidth, "rows": table, "runs": runs})
+                                                  "llamacpp_weight_repacking": False not in repacked,
+                                                  "bandwidth_bytes_per_s": bandwidth,
+                                                  "bandwidth_bytes_per_s_by_threads": {str(t): b for t, b in bandwidth_at.items()},
+                                                  "rows": table, "runs": runs})
     return 0
 
 

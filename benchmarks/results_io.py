@@ -33,6 +33,32 @@ def run_worker(argv: list[str], what: str) -> dict:
     return row
 
 
+ROOT = Path(__file__).resolve().parent.parent
+LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
+SIGSEGV = -11
+
+
+def run_llamacpp_peer(script: str, args: list[str]) -> dict:
+    """Run benchmarks/peers/<script> in llama.cpp's environment; the JSON object its last stdout line holds.
+
+    Where llama.cpp's own weight repacking crashes it (its AMX matmul on Sapphire Rapids:
+    ggml-org/llama.cpp#20824), the run is repeated without it, and the result says so
+    ("extra_bufts": False); a failure of any other kind stops the benchmark with llama.cpp's stderr.
+    """
+    command = [str(LLAMACPP_PYTHON), str(ROOT / "benchmarks" / "peers" / script), *args]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    extra_bufts = True
+    if proc.returncode == SIGSEGV:
+        print(f"llama.cpp crashed with its weight repacking on ({script}); rerunning with --no-extra-bufts",
+              file=sys.stderr)
+        proc = subprocess.run(command + ["--no-extra-bufts"], capture_output=True, text=True)
+        extra_bufts = False
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"llama.cpp failed: {' '.join(args[:1])} (its stderr is above)")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "extra_bufts": extra_bufts}
+
+
 def warn_if_busy(own_threads: int = 0) -> float:
     """Warn on stderr when other work shares the machine; returns the 1-minute load average.
 

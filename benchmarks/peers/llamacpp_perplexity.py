@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 from llama_cpp import Llama
+from llamacpp_params import disable_extra_buffer_types
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -32,7 +33,11 @@ def main() -> int:
     parser.add_argument("model")
     parser.add_argument("windows")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--no-extra-bufts", action="store_true",
+                        help="load without llama.cpp's weight repacking (its AMX path crashes on some CPUs)")
     args = parser.parse_args()
+    if args.no_extra_bufts:
+        disable_extra_buffer_types()
     windows = np.load(args.windows)
     context = windows.shape[1]
     llm = Llama(model_path=args.model, n_ctx=context, n_batch=context, n_ubatch=context, logits_all=True,

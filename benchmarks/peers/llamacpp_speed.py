@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from llama_cpp import Llama
+from llamacpp_params import disable_extra_buffer_types
 
 
 def peak_rss_bytes() -> int:
@@ -38,7 +39,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-extra-bufts", action="store_true",
+                        help="load without llama.cpp's weight repacking (its AMX path crashes on some CPUs)")
     args = parser.parse_args()
+    if args.no_extra_bufts:
+        disable_extra_buffer_types()
     prompt = np.load(args.prompt).reshape(-1).tolist()
     context = len(prompt) + args.decode_tokens + 8
     start = time.perf_counter()

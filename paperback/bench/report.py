@@ -27,10 +27,13 @@ def run_in_worker(engine: str, cfg: BenchConfig) -> dict:
     raise PaperbackError(f"the {engine} bench worker failed: {tail}")
 
 
-def fresh_process_bandwidth() -> float:
+def fresh_process_bandwidth(threads: int | None = None) -> float:
     """Read bandwidth measured in a new process: a long-lived one's fragmented heap
-    (no transparent huge pages) reads measurably slower than the machine can."""
+    (no transparent huge pages) reads measurably slower than the machine can. `threads`:
+    read with that many threads (one core cannot pull what the machine can); default all."""
     code = "from paperback.bench.roofline import measure_read_bandwidth as m; print(m())"
+    if threads is not None:
+        code = f"import torch; torch.set_num_threads({int(threads)}); " + code
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
         return float(proc.stdout.strip().splitlines()[-1])

@@ -38,6 +38,9 @@
 
 #include "_paged_kernel.h"
 #include "../_sum16.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -436,10 +439,14 @@ typedef struct {
     int dtype;
 } kv_stage;
 
+/* One (sequence, KV head) over the visible keys in positions [from, to): into out normalized, or, where partial
+ * is given, its unnormalized output, running maxima and sums there (group * dim + 2 * group floats) for
+ * merge_splits. */
 WIDEST static void attend_one(const float *q, float *out, const kv_source *keys, const kv_source *values,
                               const kv_stage *stage, const int64_t *table, const int64_t *stage_table,
                               int64_t length, int64_t kv_head, int64_t kv_heads, int64_t group, int64_t dim,
-                              int64_t block_size, float scaling, int64_t window, int64_t sink, float *scratch) {
+                              int64_t block_size, float scaling, int64_t window, int64_t sink, int64_t from,
+                              int64_t to, float *scratch, float *partial) {
     const int64_t chunk = block_size < CHUNK ? block_size : CHUNK;
     float *acc = scratch, *run_max = acc + group * dim, *run_sum = run_max + group, *score = run_sum + group,
           *kbuf = score + chunk, *vbuf = kbuf + chunk * dim;
@@ -450,7 +457,11 @@ WIDEST static void attend_one(const float *q, float *out, const kv_source *keys,
     memset(acc, 0, sizeof(float) * group * dim);
     /* Visible keys: [0, sink) and [lo, length), the window's start lo; one span where the sinks reach it. */
     const int64_t start = window > 0 && length > window ? length - window : 0, lo = sink >= start ? 0 : start;
-    const int64_t spans[2][2] = {{0, sink < lo ? sink : 0}, {lo, length}};
+    int64_t spans[2][2] = {{0, sink < lo ? sink : 0}, {lo, length}};
+    for (int span = 0; span < 2; span++) { /* this task's part of them */
+        if (spans[span][0] < from) spans[span][0] = from;
+        if (spans[span][1] > to) spans[span][1] = to;
+    }
     for (int span = 0; span < 2; span++) {
         /* The visible slots of a block a chunk at a time: their scores, one rescale, then their values. */
         for (int64_t first = spans[span][0]; first < spans[span][1];) {
@@ -479,9 +490,33 @@ WIDEST static void attend_one(const float *q, float *out, const kv_source *keys,
             first += count;
         }
     }
+    if (partial) {
+        memcpy(partial, acc, sizeof(float) * (group * dim + 2 * group)); /* acc, run_max, run_sum lie together */
+        return;
+    }
     for (int64_t g = 0; g < group; g++) {
         float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;
         for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g * dim + d] * inv;
+    }
+}
+
+/* out = the softmax-weighted merge of `splits` partial results of one (sequence, KV head): each split's output
+ * and sum rescaled by e^(its max - the overall max), as flash-decoding combines them. */
+static void merge_splits(const float *partial, int64_t splits, int64_t group, int64_t dim, float *out) {
+    const int64_t stride = group * dim + 2 * group;
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < splits; s++) top = fmaxf(top, partial[s * stride + group * dim + g]);
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = 0.0f;
+        for (int64_t s = 0; s < splits; s++) {
+            const float *p = partial + s * stride, m = p[group * dim + g];
+            if (m == -INFINITY) continue; /* no visible key in this split */
+            const float w = expf(m - top);
+            total += p[group * dim + group + g] * w;
+            for (int64_t d = 0; d < dim; d++) out[g * dim + d] += p[g * dim + d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv;
     }
 }
 
@@ -512,13 +547,35 @@ static int parse_source(PyObject *tuple, kv_source *src, int64_t dim, int64_t bl
     return 0;
 }
 
-/* Every sequence's new query over its blocks, one task per (sequence, KV head); 0, or -1 out of memory. */
+/* A (sequence, KV head) is split along its positions when there are fewer of them than two per thread (a
+ * sequence or two, and few KV heads: SmolLM2 has 3, Gemma 3 one), so every thread has work; a split keeps
+ * at least this many positions. */
+#define SPLIT_MIN 256
+
+static int64_t split_count(int64_t tasks, const int64_t *lengths, int64_t batch, int threads) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    if (threads < 2 || tasks >= 2 * threads || longest < 2 * SPLIT_MIN) return 1;
+    int64_t splits = (2 * threads + tasks - 1) / tasks;
+    return splits < longest / SPLIT_MIN ? splits : longest / SPLIT_MIN;
+}
+
+/* Every sequence's new query over its blocks, one task per (sequence, KV head), or per part of its positions
+ * (split_count) merged after; 0, or -1 out of memory. */
 static int decode_batch(const float *q, float *out, const kv_source *keys, const kv_source *values,
                         const kv_stage *stage, const int64_t *tables, const int64_t *stage_tables,
                         const int64_t *lengths, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                         int64_t block_size, int64_t width, float scaling, int64_t window, int64_t sink) {
     int64_t group = heads / kv_heads, tasks = batch * kv_heads;
     int64_t scratch_floats = scratch_size(group, dim, block_size);
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    const int64_t splits = split_count(tasks, lengths, batch, threads), stride = group * dim + 2 * group;
+    float *partials = splits > 1 ? malloc(sizeof(float) * (size_t)(tasks * splits * stride)) : NULL;
+    if (splits > 1 && !partials) return -1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -526,17 +583,30 @@ static int decode_batch(const float *q, float *out, const kv_source *keys, const
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-#pragma omp for schedule(dynamic)
-            for (int64_t t = 0; t < tasks; t++) {
-                int64_t b = t / kv_heads, h = t % kv_heads;
-                attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, keys, values,
-                           stage, tables + b * width, stage_tables ? stage_tables + b * width : NULL, lengths[b],
-                           h, kv_heads, group, dim, block_size, scaling, window, sink, scratch);
-            }
-            free(scratch);
         }
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tasks * splits; t++) {
+            if (!scratch) continue;
+            const int64_t task = t / splits, s = t % splits, b = task / kv_heads, h = task % kv_heads;
+            /* part s of [0, length), cut at multiples of 64 positions (the kernel's chunk) */
+            const int64_t from = lengths[b] * s / splits / CHUNK * CHUNK;
+            const int64_t to = s + 1 == splits ? lengths[b] : lengths[b] * (s + 1) / splits / CHUNK * CHUNK;
+            attend_one(q + (b * heads + h * group) * dim, out + (b * heads + h * group) * dim, keys, values,
+                       stage, tables + b * width, stage_tables ? stage_tables + b * width : NULL, lengths[b],
+                       h, kv_heads, group, dim, block_size, scaling, window, sink, from, to, scratch,
+                       partials ? partials + t * stride : NULL);
+        }
+        if (partials) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; task++) {
+                const int64_t b = task / kv_heads, h = task % kv_heads;
+                merge_splits(partials + task * splits * stride, splits, group, dim,
+                             out + (b * heads + h * group) * dim);
+            }
+        }
+        free(scratch);
     }
+    free(partials);
     return failed ? -1 : 0;
 }
 

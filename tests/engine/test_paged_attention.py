@@ -279,3 +279,36 @@ def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink,
         scores = (q[i].view(kv_heads, 3, dim) @ k.transpose(1, 2)) * 0.125
         want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v
         assert torch.allclose(got[i], want.reshape(heads, dim), atol=2e-5), name
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("kv_heads, lengths", [(1, [1500]), (2, [600]), (1, [700, 9])])
+@pytest.mark.parametrize("window, sink", [(None, 0), (300, 32), (100, 0)])
+def test_decode_kernel_splits_long_sequences_over_threads_as_one_softmax(threads, kv_heads, lengths, window, sink,
+                                                                         kernel_path):
+    """Fewer (sequence, KV head) tasks than two per thread: each is split along its positions (cuts at multiples
+    of 64, some of them holding no visible key under a window) and the parts merged by their maxima and sums:
+    what one softmax over the visible keys gives."""
+    from paperback.engine.paged_attention import paged_decode_attention
+
+    torch.manual_seed(kv_heads + len(lengths) + (window or 0))
+    heads, dim, bs = 3 * kv_heads, 64, 16
+    width = -(-max(lengths) // bs)
+    num_blocks = width * len(lengths)
+    keys, values = torch.randn(num_blocks, kv_heads, bs, dim) * 2, torch.randn(num_blocks, kv_heads, bs, dim)
+    tables = torch.randperm(num_blocks).view(len(lengths), width)
+    q = torch.randn(len(lengths), heads, dim)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode_attention(q, keys, values, tables, torch.tensor(lengths), 0.125, window, sink)
+    finally:
+        torch.set_num_threads(previous)
+    for i, n in enumerate(lengths):
+        k = keys[tables[i]].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n]
+        v = values[tables[i]].transpose(0, 1).reshape(kv_heads, -1, dim)[:, :n]
+        pos = torch.arange(n)
+        seen = (pos > n - 1 - window) | (pos < sink) if window else torch.ones(n, dtype=torch.bool)
+        scores = (q[i].view(kv_heads, 3, dim) @ k.transpose(1, 2)) * 0.125
+        want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v
+        assert torch.allclose(got[i], want.reshape(heads, dim), atol=2e-5), (n, window, sink)

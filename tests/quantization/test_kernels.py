@@ -190,3 +190,15 @@ def test_bf16_prefill_is_the_bf16_matmul_of_the_dequantized_weight(out_features,
 def test_an_unknown_prefill_matmul_is_refused():
     with pytest.raises(PaperbackError, match="prefill matmul must be one of"):
         kernels.set_prefill_matmul("int8")
+
+
+def test_amx_tiles_and_torchs_own_amx_matmuls_interleave(int8_decode):
+    # Each call loads its own tile configuration in every thread and releases it, so oneDNN's bf16 matmuls
+    # (AMX too on CPUs that have it) between our calls neither see nor leave a configuration behind.
+    layer = make_layer(QuantScheme(4, 128), 64, 576)
+    x = torch.randn(8, 576)
+    a, b = torch.randn(256, 576).bfloat16(), torch.randn(1536, 576).bfloat16()
+    first_ours, first_theirs = layer(x), a @ b.T
+    for _ in range(3):
+        assert torch.equal(layer(x), first_ours)
+        assert torch.equal(a @ b.T, first_theirs)
