@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from paperback.quantization.kernels import _qkernel
 from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_qkernel import best_time  # noqa: E402
 from results_io import warn_if_busy, write_results  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
@@ -63,14 +63,7 @@ def time_step(calls: list, scheme: QuantScheme, threads: int, int8: bool, repeat
             _qkernel.gemm_many(x.data_ptr(), x.shape[0], x.shape[1], scheme.bits, scheme.group_size, threads, mats,
                                int8)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return best_time(step, repeats)
 
 
 def main() -> int:

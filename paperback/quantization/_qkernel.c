@@ -672,6 +672,12 @@ AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, co
  * size multiples of 32; 4-bit activations come in nibble order (below). */
 #define QUAD 4
 
+/* Whether a pair of blocks never straddles two groups (group size 32, or a multiple of 64): what the VNNI
+ * kernels' per-pair scales assume. */
+static int pairs_in_groups(const QMatrix *m) {
+    return m->group_size == QBLOCK || (m->group_size / QBLOCK) % 2 == 0;
+}
+
 /* The quad and tile kernels' shapes: 4- or 8-bit codes read packed, k and the group size multiples of 32. */
 static int tile_eligible(const QMatrix *m) {
     return (m->bits == 4 || m->bits == 8) && m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0;
@@ -714,6 +720,18 @@ AVX512 static float zero_term_avx512(const QMatrix *m, int64_t r, const float *s
     return _mm512_reduce_add_ps(acc);
 }
 
+/* Block b of a packed 4- or 8-bit row as two 16-byte halves of unsigned codes: a 4-bit block's evens and odds
+ * (its low and high nibbles), an 8-bit block's first and last 16. */
+AVX512 static inline void block_halves(const QMatrix *m, const uint8_t *row, int64_t b, __m128i *c0, __m128i *c1) {
+    if (m->bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(row + b * (QBLOCK / 2))), low4 = _mm_set1_epi8(0x0f);
+        *c0 = _mm_and_si128(v, low4), *c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    } else {
+        *c0 = _mm_loadu_si128((const __m128i *)(row + b * QBLOCK));
+        *c1 = _mm_loadu_si128((const __m128i *)(row + b * QBLOCK + 16));
+    }
+}
+
 /* Four rows' y from float activations: 16 codes become floats and meet x in one multiply-add; per group
  * the scale is applied once and the zero point through the group sum of x (xsum). */
 AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *x, const float *xsum, float *y) {
@@ -721,7 +739,6 @@ AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *
     const uint8_t *rows[QUAD];
     __m512 total[QUAD];
     for (int i = 0; i < QUAD; i++) rows[i] = m->qweight + (r0 + i) * m->row_bytes, total[i] = _mm512_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int64_t g = 0; g < m->groups; g++) {
         const int64_t b1 = (g + 1) * blocks_per_group < blocks ? (g + 1) * blocks_per_group : blocks;
         __m512 acc[QUAD];
@@ -730,13 +747,7 @@ AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *
             const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
             for (int i = 0; i < QUAD; i++) {
                 __m128i c0, c1;
-                if (m->bits == 4) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + b * (QBLOCK / 2)));
-                    c0 = _mm_and_si128(v, low4), c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-                } else {
-                    c0 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK));
-                    c1 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK + 16));
-                }
+                block_halves(m, rows[i], b, &c0, &c1);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), x0, acc[i]);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), x1, acc[i]);
             }
@@ -791,18 +802,11 @@ AVX512 static inline __attribute__((always_inline)) void tile_float_body(const Q
     for (int t = 0; t < 16; t++) total[t] = _mm512_setzero_ps();
     for (int i = 0; i < TILE_ROWS; i++)
         rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
-    const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int64_t b = 0, g = 0, left = per_group; b < blocks; b++) {
         __m512 c0[TILE_ROWS], c1[TILE_ROWS];
         for (int i = 0; i < TILE_ROWS; i++) {
             __m128i v0, v1;
-            if (m->bits == 4) {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(rows[i] + b * (QBLOCK / 2)));
-                v0 = _mm_and_si128(v, low4), v1 = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-            } else {
-                v0 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK));
-                v1 = _mm_loadu_si128((const __m128i *)(rows[i] + b * QBLOCK + 16));
-            }
+            block_halves(m, rows[i], b, &v0, &v1);
             const __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[i][g]));
             c0[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v0)), s);
             c1[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v1)), s);
@@ -1357,7 +1361,7 @@ static void quad_rows(const QMatrix *m, int64_t r0, int64_t r1, const float *x, 
                       const Int8Acts *a, int use_int8, int64_t rows, Scratch *s, float *y) {
 #ifdef PB_X86
     if (r1 - r0 == QUAD && tile_eligible(m)) {
-        if (use_int8 && simd_level >= LEVEL_VNNI && (m->group_size == QBLOCK || (m->group_size / QBLOCK) % 2 == 0)) {
+        if (use_int8 && simd_level >= LEVEL_VNNI && pairs_in_groups(m)) {
             if (rows == 1)
                 quad_int8_vnni(m, r0, a, y);
             else
@@ -1399,8 +1403,7 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
 #else
     const int use_amx = 0;
 #endif
-    const int use_hex = use_int8 && simd_level >= LEVEL_VNNI && tile_eligible(m0) && rows == 1 &&
-                        (m0->group_size == QBLOCK || (m0->group_size / QBLOCK) % 2 == 0);
+    const int use_hex = use_int8 && simd_level >= LEVEL_VNNI && tile_eligible(m0) && rows == 1 && pairs_in_groups(m0);
     const int64_t span = use_amx || use_hex ? 16 : QUAD; /* output rows per task: sixteen, or a quad */
     int64_t first_tile[MAX_MATRICES + 1] = {0}; /* tasks of `span` output rows, none across two matrices */
     for (int i = 0; i < count; i++) first_tile[i + 1] = first_tile[i] + ceil_div(ms[i].n, span);
@@ -1411,8 +1414,11 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
         a.q = call_buffer(0, (size_t)(rows * m0->k));
         a.d = call_buffer(1, sizeof(float) * (size_t)(rows * blocks));
         a.gsum = call_buffer(2, sizeof(float) * (size_t)(rows * m0->groups));
-        if (simd_level >= LEVEL_VNNI) a.dpair = call_buffer(3, sizeof(float) * 16 * (size_t)(rows * ceil_div(blocks, 2)));
-        if (!a.q || !a.d || !a.gsum || (simd_level >= LEVEL_VNNI && !a.dpair)) return -1;
+        /* the VNNI kernels' pair scales; AMX panels that cover every output row do without */
+        int need_dpair = simd_level >= LEVEL_VNNI && !use_amx;
+        for (int i = 0; i < count; i++) need_dpair |= simd_level >= LEVEL_VNNI && ms[i].n % 16 != 0;
+        if (need_dpair) a.dpair = call_buffer(3, sizeof(float) * 16 * (size_t)(rows * ceil_div(blocks, 2)));
+        if (!a.q || !a.d || !a.gsum || (need_dpair && !a.dpair)) return -1;
         quantize_activations(m0, x, rows, &a);
         if (a.dpair) pair_scales(m0, rows, &a);
 #ifdef PB_AMX
