@@ -12,7 +12,8 @@ checkpoints through `paperback bench`'s worker: W4a-g32 with the W8 head
 with the head at W4 too, each with fp32 and int8 decode activations, decode
 steps through every layer in one C call (generation/fused_decode.py), and
 W4a-g32 int8 once more layer by layer in PyTorch, to show what that call
-buys. Every
+buys; the KV cache is fp32 but in the rows marked "f16 KV" (llama.cpp's own
+default, and half the cache bytes a step reads: the lever at batch 8). Every
 configuration runs in a fresh process, on the same 512-token WikiText-2
 prompt (ids cut by paperback and handed to llama.cpp as ids), at each thread
 count, --trials times in rotation (so drift hits every row alike); the table
@@ -54,16 +55,18 @@ CHECKPOINTS = {
     "W4a-g128": ["--method", "rtn"],
     "W4a-g128 head W4": ["--method", "rtn", "--edge-scheme", "same"],
 }
-# row -> (engine, checkpoint or "source", decode activations, decode steps fused into one C call)
+# row -> (engine, checkpoint or "source", decode activations, decode steps fused into one C call, KV cache dtype)
 ROWS = {
-    "llama.cpp bundled GGUF": ("llama.cpp", "source", None, None),
-    "llama.cpp W4a-g32 export": ("llama.cpp", "W4a-g32", None, None),
-    "paperback W4a-g32 fp32-act": ("paperback", "W4a-g32", "fp32", True),
-    "paperback W4a-g32 int8-act": ("paperback", "W4a-g32", "int8", True),
-    "paperback W4a-g32 int8-act, layer by layer": ("paperback", "W4a-g32", "int8", False),
-    "paperback W4a-g128 fp32-act": ("paperback", "W4a-g128", "fp32", True),
-    "paperback W4a-g128 int8-act": ("paperback", "W4a-g128", "int8", True),
-    "paperback W4a-g128 head W4 int8-act": ("paperback", "W4a-g128 head W4", "int8", True),
+    "llama.cpp bundled GGUF": ("llama.cpp", "source", None, None, None),
+    "llama.cpp W4a-g32 export": ("llama.cpp", "W4a-g32", None, None, None),
+    "paperback W4a-g32 fp32-act": ("paperback", "W4a-g32", "fp32", True, "fp32"),
+    "paperback W4a-g32 int8-act": ("paperback", "W4a-g32", "int8", True, "fp32"),
+    "paperback W4a-g32 int8-act, f16 KV": ("paperback", "W4a-g32", "int8", True, "fp16"),
+    "paperback W4a-g32 int8-act, layer by layer": ("paperback", "W4a-g32", "int8", False, "fp32"),
+    "paperback W4a-g128 fp32-act": ("paperback", "W4a-g128", "fp32", True, "fp32"),
+    "paperback W4a-g128 int8-act": ("paperback", "W4a-g128", "int8", True, "fp32"),
+    "paperback W4a-g128 head W4 int8-act": ("paperback", "W4a-g128 head W4", "int8", True, "fp32"),
+    "paperback W4a-g128 head W4 int8-act, f16 KV": ("paperback", "W4a-g128 head W4", "int8", True, "fp16"),
 }
 BASELINE = "llama.cpp bundled GGUF"
 
@@ -125,14 +128,14 @@ def main() -> int:
         for trial in range(args.trials):
             for threads in args.threads:
                 for row in args.rows:
-                    engine, checkpoint, activations, fused = ROWS[row]
+                    engine, checkpoint, activations, fused, kv_dtype = ROWS[row]
                     if engine == "llama.cpp":
                         r = llamacpp_run(ggufs[checkpoint], prompt_file, threads, cfg)
                         r["step_bytes"] = gguf_weight_bytes(ggufs[checkpoint]) + kv_per_token * decode_context(cfg)
                     else:
                         run_cfg = BenchConfig(**{**cfg.to_dict(), "model": str(paths[checkpoint]),
                                                  "threads": threads, "decode_activations": activations,
-                                                 "fused_decode": fused})
+                                                 "fused_decode": fused, "kv_cache_dtype": kv_dtype})
                         r = run_in_worker("paperback", run_cfg)
                         facts = r["model"]
                         r["step_bytes"] = facts["weight_bytes_read_per_step"] + facts["kv_bytes_read_per_step"]

@@ -35,6 +35,7 @@ class BenchConfig:
     threads: int | None = None  # None: torch's default
     profile: bool = False  # also time a decode step's parts at each batch (paperback.bench.step_profile)
     fused_decode: bool = True  # decode steps through every layer in one C call where the model qualifies
+    kv_cache_dtype: str = "auto"  # paperback's dense cache: auto (the model's dtype), fp32, fp16 or bf16
 
     def __post_init__(self):
         from paperback.errors import PaperbackError
@@ -49,6 +50,8 @@ class BenchConfig:
         if self.prefill_matmul not in PREFILL_MATMULS:
             raise PaperbackError(f"prefill matmul must be one of {' or '.join(PREFILL_MATMULS)}, got "
                                  f"{self.prefill_matmul!r}")
+        if self.kv_cache_dtype not in ("auto", "fp32", "fp16", "bf16"):
+            raise PaperbackError(f"kv cache dtype must be auto, fp32, fp16 or bf16, got {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
             raise PaperbackError("threads must be at least 1")
         if not self.batches or min(self.batches) < 1:
@@ -57,6 +60,12 @@ class BenchConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The torch dtype of paperback's KV cache under this config."""
+        from paperback.loading import parse_dtype
+
+        return model_dtype if self.kv_cache_dtype == "auto" else parse_dtype(self.kv_cache_dtype)
 
 
 def peak_rss_bytes() -> int:
@@ -84,20 +93,22 @@ class PaperbackEngine:
 
         self.lm = load_model(cfg.model, cfg.dtype)
         self.tokenizer = self.lm.tokenizer
+        self.cache_dtype = cfg.cache_dtype(self.lm.dtype)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> None:
         from paperback.generation.kv_cache import ContiguousKVCache
 
         model = self.lm.model
-        cache = ContiguousKVCache(model.config, ids.shape[0], ids.shape[1], self.lm.dtype)
+        cache = ContiguousKVCache(model.config, ids.shape[0], ids.shape[1], self.cache_dtype)
         model(ids, 0, cache, last_only=True)
 
     def decode_timestamps(self, ids: torch.Tensor, new_tokens: int) -> list[float]:
         from paperback.generation import SamplingParams, generate_tokens
 
         stamps = []
-        for _ in generate_tokens(self.lm.model, ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        for _ in generate_tokens(self.lm.model, ids, params, self.cache_dtype):
             stamps.append(time.perf_counter())
         return stamps
 
@@ -196,7 +207,8 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
             from paperback.bench.step_profile import profile_decode
 
             # one profile per decode batch: {batch: where its step's time goes}
-            result["profile"] = {str(batch): profile_decode(engine.lm.model, prompts[:batch], cfg.decode_tokens)
+            result["profile"] = {str(batch): profile_decode(engine.lm.model, prompts[:batch], cfg.decode_tokens,
+                                                            engine.cache_dtype)
                                  for batch in cfg.batches}
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
@@ -208,18 +220,20 @@ def _model_facts(lm, cfg: BenchConfig) -> dict:
     from paperback.memory import (dense_kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
                                   weight_bytes_read_per_step)
 
+    cache_dtype = cfg.cache_dtype(lm.dtype)
     return {
         "name": lm.config.name,
         "family": lm.config.family,
         "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
         "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
-        "kv_bytes_per_token": dense_kv_bytes_per_token(lm.config, lm.dtype),
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
+        "kv_bytes_per_token": dense_kv_bytes_per_token(lm.config, cache_dtype),
         # cache bytes one decode step reads at the mean decode context (sliding windows capped)
         "decode_context": decode_context(cfg),
-        "kv_bytes_read_per_step": kv_bytes_read_per_step(lm.config, lm.dtype, decode_context(cfg)),
+        "kv_bytes_read_per_step": kv_bytes_read_per_step(lm.config, cache_dtype, decode_context(cfg)),
         # decode steps ran every layer in one C call (generation.fused_decode), or module by module
-        "fused_decode": plan_for(lm.model, ContiguousKVCache(lm.config, 1, 2, lm.dtype)) is not None,
+        "fused_decode": plan_for(lm.model, ContiguousKVCache(lm.config, 1, 2, cache_dtype)) is not None,
     }
 
 

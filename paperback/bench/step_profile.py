@@ -69,8 +69,9 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "QuantLinear"
 
 
-def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
-    """Milliseconds per decode step by part (PARTS), for a greedy decode of `new_tokens` after `prompt_ids`."""
+def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int, cache_dtype: torch.dtype | None = None) -> dict:
+    """Milliseconds per decode step by part (PARTS), for a greedy decode of `new_tokens` after `prompt_ids` (the
+    cache in `cache_dtype`, as `generate_tokens`)."""
     from paperback.generation import SamplingParams, generate_tokens
     from paperback.generation import fused_decode
     from paperback.generation.fused_decode import FusedDecoder
@@ -95,7 +96,8 @@ def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
         model.forward = timers.wrap(model_forward, "model, other")
         steps, start = 0, None
         with torch.inference_mode():
-            for _ in generate_tokens(model, prompt_ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+            params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+            for _ in generate_tokens(model, prompt_ids, params, cache_dtype):
                 if start is None:  # the prompt's prefill is done: time the steps from here
                     start, timers.active = time.perf_counter(), True
                     if fused_decode._fused_decode is not None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_model_arg
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_kv_cache_dtype_arg, add_model_arg
 from paperback.cli.output import err_console, note, print_json, print_table
 
 
@@ -27,6 +27,7 @@ def register(sub) -> None:
                         "attention, norms, head, sampling, the rest)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
     add_dtype_arg(p)
+    add_kv_cache_dtype_arg(p)
     add_kernel_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats,
                       decode_activations=args.decode_activations, prefill_matmul=args.prefill_matmul,
-                      threads=args.threads, profile=args.profile)
+                      threads=args.threads, profile=args.profile, kv_cache_dtype=args.kv_cache_dtype)
     peers = () if args.peer == "none" else (args.peer,)
     if args.json:
         report = run_bench(cfg, peers)
@@ -52,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
         return 0
-    print_table(f"{args.model} ({args.dtype}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
+    kv = f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    print_table(f"{args.model} ({args.dtype}{kv}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
                 f"{report['engines']['paperback']['threads']} threads",
                 bench_columns(report), bench_rows(report))
     for batch, profile in report["engines"]["paperback"].get("profile", {}).items():

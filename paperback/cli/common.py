@@ -20,6 +20,20 @@ def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
                         help="runtime dtype of weights and activations (default fp32)")
 
 
+def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                        help="how the KV cache stores keys and values: auto (the model's --dtype; the default), "
+                             "or fp16/bf16, half an fp32 model's cache bytes and of what each decode step reads "
+                             "from it (llama.cpp's default cache is f16)")
+
+
+def kv_cache_dtype(args: argparse.Namespace):
+    """The torch dtype --kv-cache-dtype names, None for auto."""
+    from paperback.loading import parse_dtype
+
+    return None if args.kv_cache_dtype == "auto" else parse_dtype(args.kv_cache_dtype)
+
+
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-activations", default="fp32", choices=["fp32", "int8"],
                         help="how decode steps meet packed weights: fp32 (exact; the default) or int8 (activations "

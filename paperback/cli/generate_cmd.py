@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args
+from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_kv_cache_dtype_arg, kv_cache_dtype
 from paperback.cli.output import note, print_json
 from paperback.errors import PaperbackError
 from paperback.loading.sources import DEFAULT_MODEL
@@ -26,6 +26,7 @@ def register(sub) -> None:
                    help="send the prompt as plain text even if the model has a chat template")
     p.add_argument("--ignore-eos", action="store_true")
     add_dtype_arg(p)
+    add_kv_cache_dtype_arg(p)
     add_kernel_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(lm, prompt, params, chat=chat, on_text=None if args.json else stream)
+    result = generate(lm, prompt, params, chat=chat, on_text=None if args.json else stream,
+                      cache_dtype=kv_cache_dtype(args))
     if args.json:
         print_json({"model": lm.source.label, "chat": chat, "text": result.text,
                     "token_ids": result.token_ids, "finish_reason": result.finish_reason,

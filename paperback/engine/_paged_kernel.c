@@ -45,7 +45,7 @@
 #include <immintrin.h>
 #endif
 
-enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
+enum { DT_FP32 = PAGED_FP32, DT_FP16 = PAGED_FP16, DT_BF16 = PAGED_BF16 };
 
 /* The widest vectors the CPU has, chosen at load time (gcc's function multiversioning). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -57,12 +57,18 @@ enum { DT_FP32 = 0, DT_FP16 = 1, DT_BF16 = 2 };
 typedef uint32_t __attribute__((may_alias)) alias_u32;
 
 #if defined(__x86_64__) && defined(__GNUC__)
-static int has_avx512;
+static int has_avx512, has_avx2, has_f16c; /* has_avx2: AVX2 and FMA */
 
 /* n fp16 values (n % 16 == 0) to fp32 by vcvtph2ps, exact (AVX-512F has it). */
 __attribute__((target("avx512f"))) static void fp16_rows_avx512(const uint16_t *src, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 16)
         _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+}
+
+/* The same eight at a time, for CPUs with F16C but no AVX-512 (every AVX2 CPU). */
+__attribute__((target("avx,f16c"))) static void fp16_rows_f16c(const uint16_t *src, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 }
 #endif
 
@@ -81,6 +87,10 @@ static inline __attribute__((always_inline)) const float *load_rows(const void *
 #if defined(__x86_64__) && defined(__GNUC__)
     if (has_avx512 && n % 16 == 0) {
         fp16_rows_avx512(src, n, buf);
+        return buf;
+    }
+    if (has_f16c && n % 8 == 0) {
+        fp16_rows_f16c(src, n, buf);
         return buf;
     }
 #endif
@@ -201,6 +211,68 @@ __attribute__((target("avx512f"))) static void fp8_rows_avx512(const uint8_t *co
         _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign)));
     }
 }
+
+/* int_rows_avx512 eight channels at a time, for AVX2 CPUs (dim % 8 == 0; per-token groups % 8 == 0). */
+__attribute__((target("avx2,fma,f16c"))) static void int_rows_avx2(const kv_source *src, int64_t row,
+                                                                  int64_t head_block, int64_t block_size,
+                                                                  int64_t slot, int64_t count, int64_t dim,
+                                                                  float *out) {
+    const int bits = src->bits;
+    const int log_per_byte = bits == 8 ? 0 : bits == 4 ? 1 : 2, log_bits = bits == 8 ? 3 : bits == 4 ? 2 : 1;
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    const __m256i byte_of = _mm256_srli_epi32(lane, log_per_byte);
+    const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32((1 << log_per_byte) - 1)),
+                                            log_bits);
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const int64_t row_bytes = dim * bits / 8;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *packed = (const uint8_t *)src->data + (row + r) * row_bytes;
+        const uint16_t *scale, *min;
+        if (src->kind == SRC_TOKEN_INT) {
+            scale = src->scale + (row + r) * (dim / src->group);
+            min = src->min + (row + r) * (dim / src->group);
+        } else {
+            const int64_t at = (head_block * (block_size / src->group) + (slot + r) / src->group) * dim;
+            scale = src->scale + at;
+            min = src->min + at;
+        }
+        for (int64_t d = 0; d < dim; d += 8) {
+            /* exactly the 8 codes' bytes, never past the row's end */
+            const uint8_t *at = packed + d * bits / 8;
+            uint64_t word = 0;
+            memcpy(&word, at, (size_t)bits); /* 8 codes of `bits` bits are `bits` bytes */
+            const __m128i raw = _mm_cvtsi64_si128((long long)word);
+            const __m256i wide = _mm256_cvtepu8_epi32(raw);
+            const __m256 codes = _mm256_cvtepi32_ps(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, byte_of), shift), mask));
+            __m256 s, m;
+            if (src->kind == SRC_TOKEN_INT) {
+                s = _mm256_set1_ps(_cvtsh_ss(scale[d / src->group]));
+                m = _mm256_set1_ps(_cvtsh_ss(min[d / src->group]));
+            } else {
+                s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + d)));
+                m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + d)));
+            }
+            _mm256_storeu_ps(out + r * dim + d, _mm256_fmadd_ps(codes, s, m));
+        }
+    }
+}
+
+/* fp8_rows_avx512 eight at a time (n % 8 == 0). */
+__attribute__((target("avx2"))) static void fp8_rows_avx2(const uint8_t *codes, int e5m2, int64_t n, float scale,
+                                                         float *out) {
+    const __m256 rescale = _mm256_set1_ps(scale * (e5m2 ? 0x1p112f : 0x1p120f));
+    const int shift = e5m2 ? 21 : 20;
+    for (int64_t i = 0; i < n; i += 8) {
+        uint64_t eight;
+        memcpy(&eight, codes + i, 8);
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)eight));
+        const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)), shift);
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+        const __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), rescale);
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(x), sign)));
+    }
+}
 #endif
 
 /* codes of one packed row as floats: code j at bit offset bits * j, LSB first. */
@@ -240,6 +312,10 @@ static inline __attribute__((always_inline)) const float *load_source(const kv_s
             fp8_rows_avx512(codes, src->dtype, count * dim, scale, buf);
             return buf;
         }
+        if (has_avx2 && dim % 8 == 0) {
+            fp8_rows_avx2(codes, src->dtype, count * dim, scale, buf);
+            return buf;
+        }
 #endif
         for (int64_t i = 0; i < count * dim; i++) buf[i] = table[codes[i]] * scale;
         return buf;
@@ -248,6 +324,11 @@ static inline __attribute__((always_inline)) const float *load_source(const kv_s
     if (has_avx512 && dim % 16 == 0 && (src->bits == 2 || src->bits == 4 || src->bits == 8) &&
         (src->kind == SRC_CHANNEL_INT || src->group % 16 == 0)) {
         int_rows_avx512(src, row, block * kv_heads + kv_head, block_size, slot, count, dim, buf);
+        return buf;
+    }
+    if (has_avx2 && dim % 8 == 0 && (src->bits == 2 || src->bits == 4 || src->bits == 8) &&
+        (src->kind == SRC_CHANNEL_INT || src->group % 8 == 0)) {
+        int_rows_avx2(src, row, block * kv_heads + kv_head, block_size, slot, count, dim, buf);
         return buf;
     }
 #endif
@@ -316,9 +397,14 @@ __attribute__((target("avx512f"))) static float exp_shifted_avx512(float *x, int
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+static float exp_shifted_avx2(float *x, int64_t count, float shift); /* with the AVX2 loops below */
+#endif
+
 static float exp_shifted(float *x, int64_t count, float shift) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (has_avx512) return exp_shifted_avx512(x, count, shift);
+    if (has_avx2) return exp_shifted_avx2(x, count, shift);
 #endif
     float total = 0.0f;
     for (int64_t j = 0; j < count; j++) total += x[j] = expf(x[j] - shift);
@@ -393,12 +479,130 @@ __attribute__((target("avx512f"))) static void weighted_rows_avx512(float *a, fl
         }
     }
 }
+
+/* ---- the same three loops for CPUs with AVX2 and FMA but no AVX-512 (every x86 CPU of the last decade) ---- */
+
+/* Lane i = the sum of v[i]'s 8 lanes, for 8 vectors at once (hadd within 128-bit halves, then across them). */
+__attribute__((target("avx2,fma"))) static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+__attribute__((target("avx2,fma"))) static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* q.k for one key as 8 partial sums (dim % 8 == 0), two chains. */
+__attribute__((target("avx2,fma"))) static inline __m256 partial_dot8(const float *q, const float *k, int64_t dim) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t d = 8; d < dim; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s);
+    return s;
+}
+
+__attribute__((target("avx2,fma"))) static float block_scores_avx2(const float *q, const float *k, int64_t count,
+                                                                  int64_t dim, float scaling, float *score,
+                                                                  float floor) {
+    __m256 best = _mm256_set1_ps(floor);
+    const __m256 scale = _mm256_set1_ps(scaling);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) { /* eight keys, their scores in one vector */
+        __m256 partial[8];
+        for (int i = 0; i < 8; i++) partial[i] = partial_dot8(q, k + (j + i) * dim, dim);
+        const __m256 s = _mm256_mul_ps(sum8(partial), scale);
+        _mm256_storeu_ps(score + j, s);
+        best = _mm256_max_ps(best, s);
+    }
+    float top = hmax8(best);
+    for (; j < count; j++) {
+        score[j] = hsum8(partial_dot8(q, k + j * dim, dim)) * scaling;
+        if (score[j] > top) top = score[j];
+    }
+    return top;
+}
+
+/* exp_shifted_avx512's series, eight at a time; 2^n built in the exponent bits, and scores more than 87 below
+ * the shift (whose exp fp32 would flush toward 0 anyway, beside the 1 of the largest) give 0. */
+__attribute__((target("avx2,fma"))) static float exp_shifted_avx2(float *x, int64_t count, float shift) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2_hi = _mm256_set1_ps(0.693145751953125f),
+                 ln2_lo = _mm256_set1_ps(1.428606765330187e-06f), lowest = _mm256_set1_ps(-87.0f),
+                 m = _mm256_set1_ps(shift);
+    __m256 total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        const __m256 raw = _mm256_sub_ps(_mm256_loadu_ps(x + j), m);
+        const __m256 t = _mm256_max_ps(raw, lowest);
+        const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, t));
+        __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+        const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(raw, lowest, _CMP_GE_OQ));
+        _mm256_storeu_ps(x + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = hsum8(total);
+    for (; j < count; j++) sum += x[j] = expf(x[j] - shift);
+    return sum;
+}
+
+/* weighted_span with 8-lane vectors: W = 1..4 of them, even and odd rows apart. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+weighted_span8(float *a, float c, const float *p, const float *v, int64_t count, int64_t dim, const int W) {
+    __m256 even[4], odd[4];
+    for (int b = 0; b < W; b++) {
+        even[b] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * b), _mm256_set1_ps(c));
+        odd[b] = _mm256_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= count; j += 2) {
+        const __m256 p0 = _mm256_set1_ps(p[j]), p1 = _mm256_set1_ps(p[j + 1]);
+        const float *v0 = v + j * dim, *v1 = v0 + dim;
+        for (int b = 0; b < W; b++) {
+            even[b] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * b), even[b]);
+            odd[b] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * b), odd[b]);
+        }
+    }
+    if (j < count)
+        for (int b = 0; b < W; b++)
+            even[b] = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * dim + 8 * b), even[b]);
+    for (int b = 0; b < W; b++) _mm256_storeu_ps(a + 8 * b, _mm256_add_ps(even[b], odd[b]));
+}
+
+/* a = c a + sum_j p[j] v_j, 32 lanes of a at a time (dim % 8 == 0). */
+__attribute__((target("avx2,fma"))) static void weighted_rows_avx2(float *a, float c, const float *p, const float *v,
+                                                                  int64_t count, int64_t dim) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        switch (dim - d0 < 32 ? (dim - d0) / 8 : 4) {
+        case 4: weighted_span8(a + d0, c, p, v + d0, count, dim, 4); break;
+        case 3: weighted_span8(a + d0, c, p, v + d0, count, dim, 3); break;
+        case 2: weighted_span8(a + d0, c, p, v + d0, count, dim, 2); break;
+        default: weighted_span8(a + d0, c, p, v + d0, count, dim, 1);
+        }
+    }
+}
 #endif
 
 static float block_scores(const float *q, const float *k, int64_t count, int64_t dim, float scaling, float *score,
                           float floor) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (has_avx512 && dim % 16 == 0) return block_scores_avx512(q, k, count, dim, scaling, score, floor);
+    if (has_avx2 && dim % 8 == 0) return block_scores_avx2(q, k, count, dim, scaling, score, floor);
 #endif
     float best = floor;
     for (int64_t j = 0; j < count; j++) {
@@ -415,6 +619,10 @@ static void weighted_rows(float *a, float c, const float *p, const float *v, int
 #if defined(__x86_64__) && defined(__GNUC__)
     if (has_avx512 && dim % 16 == 0) {
         weighted_rows_avx512(a, c, p, v, count, dim);
+        return;
+    }
+    if (has_avx2 && dim % 8 == 0) {
+        weighted_rows_avx2(a, c, p, v, count, dim);
         return;
     }
 #endif
@@ -612,14 +820,14 @@ static int decode_batch(const float *q, float *out, const kv_source *keys, const
 
 /* A dense cache as one block per row (PagedKernelAPI.dense_decode). */
 #define DENSE_MAX_BATCH 64
-static int dense_decode(const float *q, float *out, const float *keys, const float *values, int64_t batch,
+static int dense_decode(const float *q, float *out, const void *keys, const void *values, int dtype, int64_t batch,
                         int64_t heads, int64_t kv_heads, int64_t dim, int64_t slots, int64_t length, float scaling,
                         int64_t window) {
-    if (batch > DENSE_MAX_BATCH) return -1;
+    if (batch > DENSE_MAX_BATCH || dtype < DT_FP32 || dtype > DT_BF16) return -1;
     int64_t tables[DENSE_MAX_BATCH], lengths[DENSE_MAX_BATCH];
     for (int64_t b = 0; b < batch; b++) tables[b] = b, lengths[b] = length;
-    const kv_source k = {SRC_NATIVE, DT_FP32, 0, 0, keys, NULL, NULL, NULL, 0};
-    const kv_source v = {SRC_NATIVE, DT_FP32, 0, 0, values, NULL, NULL, NULL, 0};
+    const kv_source k = {SRC_NATIVE, dtype, 0, 0, keys, NULL, NULL, NULL, 0};
+    const kv_source v = {SRC_NATIVE, dtype, 0, 0, values, NULL, NULL, NULL, 0};
     const kv_stage stage = {NULL, NULL, DT_FP32};
     return decode_batch(q, out, &k, &v, &stage, tables, NULL, lengths, batch, heads, kv_heads, dim, slots, 1,
                         scaling, window, 0);
@@ -655,14 +863,16 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* use_avx512(flag): the AVX-512 paths on (where the CPU has them) or off (the portable C, which tests run too);
- * returns whether they were on. Call between decodes, never during one. */
+/* use_avx512(flag): the AVX-512, AVX2 and F16C paths on (where the CPU has them) or off (the portable C, which tests
+ * run too); returns whether they were on. Call between decodes, never during one. */
 static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
     int flag;
     if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
 #if defined(__x86_64__) && defined(__GNUC__)
-    const int previous = has_avx512;
+    const int previous = has_avx512 || has_avx2 || has_f16c;
     has_avx512 = flag && __builtin_cpu_supports("avx512f");
+    has_avx2 = flag && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    has_f16c = flag && __builtin_cpu_supports("f16c");
     return PyBool_FromLong(previous);
 #else
     return PyBool_FromLong(0);
@@ -670,7 +880,7 @@ static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512(flag) -> whether the AVX-512 paths were on"},
+    {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512(flag) -> whether the SIMD (AVX-512, AVX2, F16C) paths were on"},
     {"decode", py_decode, METH_VARARGS,
      "decode(q, out, key_source, value_source, (stage_keys, stage_values, stage_dtype), tables, stage_tables, "
      "lengths, B, H, Hkv, D, block_size, width, scaling, window, sink); a source is (kind, dtype, bits, group, "
@@ -684,6 +894,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_kernel", "Pag
 PyMODINIT_FUNC PyInit__paged_kernel(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     has_avx512 = __builtin_cpu_supports("avx512f"); /* decided once, before any threads */
+    has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    has_f16c = __builtin_cpu_supports("f16c");
 #endif
     fill_fp8_tables();
     PyObject *mod = PyModule_Create(&module);

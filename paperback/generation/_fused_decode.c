@@ -5,9 +5,10 @@
  * step, a third of the time, outside the matmuls (docs/weights.md). Here a
  * step is one call: for each layer the norm, q/k/v through _qkernel's
  * gemm_many, q/k norms, RoPE, the new key and value written into the dense
- * cache, attention through _paged_kernel's dense decode, o, the residual, the
- * second norm, gate/up, the activation, down and the residual again (Gemma's
- * sandwich norms where the model has them). Both kernels come through their
+ * cache (fp32, or rounded to its fp16 or bf16), attention through
+ * _paged_kernel's dense decode, o, the residual, the second norm, gate/up,
+ * the activation, down and the residual again (Gemma's sandwich norms where
+ * the model has them). Both kernels come through their
  * capsules (_qkernel.h, _paged_kernel.h), so the arithmetic of the linears
  * and of attention is the module path's own; norms, RoPE and activations are
  * the same formulas in fp32 (not bit-identical: reductions sum in another
@@ -27,6 +28,9 @@
 
 #include "../engine/_paged_kernel.h"
 #include "../quantization/_qkernel.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define WIDEST __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -44,7 +48,7 @@ enum { NORM_ATTN_IN, NORM_ATTN_OUT, NORM_MLP_IN, NORM_MLP_OUT, NORM_Q, NORM_K, N
 typedef struct {
     const float *norms[NORMS]; /* NULL: absent (Llama has no post norms and no q/k norms) */
     QMatrix linears[LINEARS];
-    float *keys, *values;      /* the layer's cache, (batch, kv_heads, slots, dim) fp32 */
+    void *keys, *values;       /* the layer's cache, (batch, kv_heads, slots, dim) in the plan's cache dtype */
     float scaling;
     int64_t window;            /* 0: attends to every cached position */
     int rope;                  /* which of the step's two RoPE tables (Gemma: local, global) */
@@ -54,6 +58,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, dim, inter, batch, slots, count;
     float eps;
     int unit_offset, act;
+    int cache_dtype; /* PAGED_FP32, PAGED_FP16 or PAGED_BF16 */
     Layer *layers;
     float *scratch; /* h, q, k, v, attn, o (hidden), gate, up: sized for `batch` rows */
 } Plan;
@@ -146,6 +151,64 @@ WIDEST static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* ---- cache writes: fp32 rows rounded to the cache's 16 bits, to nearest even, as torch's .to() rounds ---- */
+
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, magnitude = x & 0x7fffffff;
+    if (magnitude >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (magnitude > 0x7f800000 ? 0x200 : 0));
+    if (magnitude >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* 65520 and up round to infinity */
+    if (magnitude < 0x38800000) { /* below 2^-14: a subnormal half; adding 0.5 rounds at 2^-24 in hardware */
+        float a;
+        memcpy(&a, &magnitude, 4);
+        a += 0.5f;
+        uint32_t r;
+        memcpy(&r, &a, 4);
+        return (uint16_t)(sign | (r - 0x3f000000));
+    }
+    /* rebias the exponent (-112 << 23, modulo 2^32) and round the 13 dropped bits to nearest even */
+    const uint32_t rounded = magnitude + 0xc8000fffu + ((magnitude >> 13) & 1);
+    return (uint16_t)(sign | (rounded >> 13));
+}
+
+static uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+static int has_f16c; /* set at load; use_f16c(False) tests the portable rounding */
+
+/* n % 8 == 0 values by vcvtps2ph, round to nearest even (every AVX2 CPU has F16C). */
+__attribute__((target("avx,f16c"))) static void halves_f16c(const float *src, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
+/* n values of src into the cache at dst, in its dtype. */
+static void write_cache_row(void *dst, const float *src, int64_t n, int dtype) {
+    if (dtype == PAGED_FP32) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *out = dst;
+    if (dtype == PAGED_BF16) {
+        for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(src[i]);
+        return;
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (n % 8 == 0 && has_f16c) {
+        halves_f16c(src, n, out);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = float_to_half(src[i]);
+}
+
 /* ys[i] = x W_i^T for several matrices reading x: one gemm_many call when they share bits and groups. */
 static int linears(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads,
                    int int8) {
@@ -179,15 +242,16 @@ static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, c
         rope(q, rows * hq, d, cos[L->rope], sin[L->rope]);
         rope(k, rows * hkv, d, cos[L->rope], sin[L->rope]);
         charge(T_ELEMENTWISE, &mark);
+        const int64_t item = p->cache_dtype == PAGED_FP32 ? 4 : 2;
         for (int64_t b = 0; b < rows; b++)
             for (int64_t j = 0; j < hkv; j++) {
-                const int64_t at = ((b * hkv + j) * p->slots + pos) * d;
-                memcpy(L->keys + at, k + (b * hkv + j) * d, sizeof(float) * d);
-                memcpy(L->values + at, v + (b * hkv + j) * d, sizeof(float) * d);
+                const int64_t at = ((b * hkv + j) * p->slots + pos) * d * item;
+                write_cache_row((char *)L->keys + at, k + (b * hkv + j) * d, d, p->cache_dtype);
+                write_cache_row((char *)L->values + at, v + (b * hkv + j) * d, d, p->cache_dtype);
             }
         charge(T_CACHE, &mark);
-        if (paged->dense_decode(q, attn, L->keys, L->values, rows, hq, hkv, d, p->slots, pos + 1, L->scaling,
-                                L->window) < 0)
+        if (paged->dense_decode(q, attn, L->keys, L->values, p->cache_dtype, rows, hq, hkv, d, p->slots, pos + 1,
+                                L->scaling, L->window) < 0)
             return -1;
         charge(T_ATTENTION, &mark);
         float *out[2] = {o, NULL};
@@ -255,23 +319,25 @@ static int parse_layer(PyObject *tuple, Layer *L, const Plan *p) {
         PyErr_SetString(PyExc_ValueError, "fused decode: bad norms, cache or window");
         return -1;
     }
-    L->keys = (float *)(uintptr_t)keys, L->values = (float *)(uintptr_t)values, L->window = window;
+    L->keys = (void *)(uintptr_t)keys, L->values = (void *)(uintptr_t)values, L->window = window;
     return 0;
 }
 
-/* plan((hidden, heads, kv_heads, dim, inter, batch, slots, eps, unit_offset, act), [layer, ...]) -> capsule,
+/* plan((hidden, heads, kv_heads, dim, inter, batch, slots, eps, unit_offset, act, cache_dtype), [layer, ...])
+ * -> capsule,
  * a layer being ((6 norm pointers), (7 matrices), keys, values, scaling, window, rope) and a matrix
  * (qweight, scales, qzeros, bias, n, k, bits, group_size). */
 static PyObject *py_plan(PyObject *self, PyObject *args) {
     PyObject *model, *layers;
     Plan head = {0};
     if (!PyArg_ParseTuple(args, "OO", &model, &layers) ||
-        !PyArg_ParseTuple(model, "LLLLLLLfii", &head.hidden, &head.heads, &head.kv_heads, &head.dim, &head.inter,
-                          &head.batch, &head.slots, &head.eps, &head.unit_offset, &head.act))
+        !PyArg_ParseTuple(model, "LLLLLLLfiii", &head.hidden, &head.heads, &head.kv_heads, &head.dim, &head.inter,
+                          &head.batch, &head.slots, &head.eps, &head.unit_offset, &head.act, &head.cache_dtype))
         return NULL;
     if (head.hidden < 1 || head.kv_heads < 1 || head.heads % head.kv_heads || head.dim < 2 || head.dim % 2 ||
         head.dim > 512 || head.inter < 1 || head.batch < 1 || head.batch > 64 || head.slots < 1 ||
-        (head.act != ACT_SILU && head.act != ACT_GELU_TANH)) {
+        (head.act != ACT_SILU && head.act != ACT_GELU_TANH) || head.cache_dtype < PAGED_FP32 ||
+        head.cache_dtype > PAGED_BF16) {
         PyErr_SetString(PyExc_ValueError, "fused decode: bad model shape");
         return NULL;
     }
@@ -325,6 +391,33 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* write_cache(src, dst, n, dtype): n fp32 values at src written at dst as a cache write does (for tests). */
+static PyObject *py_write_cache(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long n;
+    int dtype;
+    if (!PyArg_ParseTuple(args, "KKLi", &src, &dst, &n, &dtype)) return NULL;
+    if (!src || !dst || n < 0 || dtype < PAGED_FP32 || dtype > PAGED_BF16) {
+        PyErr_SetString(PyExc_ValueError, "write_cache: bad pointers, count or dtype");
+        return NULL;
+    }
+    write_cache_row((void *)(uintptr_t)dst, (const float *)(uintptr_t)src, n, dtype);
+    Py_RETURN_NONE;
+}
+
+/* use_f16c(flag): fp16 cache writes by F16C (where the CPU has it) or by portable C; returns the old flag. */
+static PyObject *py_use_f16c(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+#if defined(__x86_64__) && defined(__GNUC__)
+    const int previous = has_f16c;
+    has_f16c = flag && __builtin_cpu_supports("f16c");
+    return PyBool_FromLong(previous);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 /* timing(flag): time the parts of each step from now on (or stop), and zero the sums; returns the old flag. */
 static PyObject *py_timing(PyObject *self, PyObject *args) {
     int flag;
@@ -352,6 +445,8 @@ static PyObject *py_timings(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef methods[] = {
     {"plan", py_plan, METH_VARARGS, "plan(model, layers) -> a capsule holding the layers' pointers"},
+    {"write_cache", py_write_cache, METH_VARARGS, "write_cache(src, dst, n, dtype): fp32 values as a cache write"},
+    {"use_f16c", py_use_f16c, METH_VARARGS, "use_f16c(flag) -> the previous flag; fp16 cache writes by F16C"},
     {"timing", py_timing, METH_VARARGS, "timing(flag) -> the previous flag; time each step's parts (sums zeroed)"},
     {"timings", py_timings, METH_NOARGS, "timings() -> {part: seconds} since timing(True)"},
     {"step", py_step, METH_VARARGS, "step(plan, x, pos, (cos0, cos1), (sin0, sin1), threads, int8)"},
@@ -362,6 +457,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_decode",
                                     "A decode step through every packed decoder layer in one call.", -1, methods};
 
 PyMODINIT_FUNC PyInit__fused_decode(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    has_f16c = __builtin_cpu_supports("f16c");
+#endif
     qkernel = PyCapsule_Import(QKERNEL_CAPSULE, 0);
     if (!qkernel) return NULL;
     paged = PyCapsule_Import(PAGED_KERNEL_CAPSULE, 0);

@@ -6,8 +6,8 @@ the step (`paperback bench --profile`, docs/weights.md). `_fused_decode.c`
 runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
 MLP, the residuals) as one call, with the packed-weight kernel and the
 attention kernel the module path uses. `DecoderLM.hidden_states` takes it
-for one new token per row over a `ContiguousKVCache` whenever the model
-qualifies (`plan_for`); anything else (fp32 or bf16 linears, quantized or
+for one new token per row over a `ContiguousKVCache` (fp32, fp16 or bf16)
+whenever the model qualifies (`plan_for`); anything else (fp32 or bf16 linears, quantized or
 paged caches, prefill) runs module by module as before. The two paths agree
 to fp32 rounding (tests/generation/test_fused_decode.py);
 PAPERBACK_FUSED_DECODE=0 or `fused_decode(False)` turns this one off.
@@ -35,6 +35,8 @@ except ImportError:  # built without a C compiler, or without the other two kern
 
 enabled = os.environ.get("PAPERBACK_FUSED_DECODE", "1") != "0"
 
+# the cache dtypes the step writes and reads (PAGED_FP32, PAGED_FP16, PAGED_BF16 in engine/_paged_kernel.h)
+_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACTS = {"silu": 0}  # any other gate activation name is GELU (tanh), as models.layers.gated_mlp_act reads it
 _MAX_BATCH = 64
 _MAX_HEAD_DIM = 512
@@ -126,7 +128,7 @@ def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
     cfg = model.config
     keys, values = cache.keys, cache.values
     if (model.dtype != torch.float32 or model.device.type != "cpu" or len(keys) != cfg.num_layers
-            or keys[0].dtype != torch.float32 or keys[0].device.type != "cpu" or keys[0].shape[0] > _MAX_BATCH
+            or keys[0].dtype not in _CACHE_DTYPES or keys[0].device.type != "cpu" or keys[0].shape[0] > _MAX_BATCH
             or cfg.head_dim % 2 or cfg.head_dim > _MAX_HEAD_DIM):
         return None
     rotaries, layers, keep = [], [], []
@@ -155,5 +157,5 @@ def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
     batch, _, slots, _ = keys[0].shape
     tables = [tuple(t.contiguous() for t in rotary(torch.arange(slots), torch.float32)) for rotary in rotaries]
     shape = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, batch, slots,
-             float(cfg.rms_norm_eps), int(unit_offset), _ACTS.get(cfg.hidden_act, 1))
+             float(cfg.rms_norm_eps), int(unit_offset), _ACTS.get(cfg.hidden_act, 1), _CACHE_DTYPES[keys[0].dtype])
     return FusedDecoder(model, cache, _fused_decode.plan(shape, layers), keep, tables)

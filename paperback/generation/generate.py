@@ -33,16 +33,18 @@ def check_fits(prompt_len: int, max_tokens: int, context: int, what: str = "the 
 
 
 @torch.inference_mode()
-def generate_tokens(model: DecoderLM, prompt_ids: torch.Tensor, params: SamplingParams) -> Iterator[torch.Tensor]:
+def generate_tokens(model: DecoderLM, prompt_ids: torch.Tensor, params: SamplingParams,
+                    cache_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,) int64, up to params.max_tokens times.
 
     prompt_ids: (B, T) int64, rows of equal length. The caller stops early by
-    closing the iterator.
+    closing the iterator. cache_dtype: how the KV cache stores keys and values
+    (None: the model's dtype; fp16 or bf16 halve what an fp32 model's decode
+    steps read from it, as llama.cpp's default f16 cache does).
     """
     batch, prompt_len = prompt_ids.shape
     check_fits(prompt_len, params.max_tokens, model.config.max_position_embeddings)
-    dtype = model.dtype
-    cache = ContiguousKVCache(model.config, batch, prompt_len + params.max_tokens, dtype)
+    cache = ContiguousKVCache(model.config, batch, prompt_len + params.max_tokens, cache_dtype or model.dtype)
     generator = make_generator(params)
     logits = model(prompt_ids, 0, cache, last_only=True)[:, -1]
     position = prompt_len
@@ -85,12 +87,14 @@ def generate(
     params: SamplingParams = SamplingParams(),
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> GenerationResult:
     """Generate a completion of one prompt, streaming text deltas to `on_text`.
 
     With chat=True the prompt is wrapped as a user message in the model's chat
     template. Text that might be the start of a stop string is held back until
     it is known not to be one, so a stop string is never streamed.
+    cache_dtype as `generate_tokens`.
     """
     tok = lm.tokenizer
     if isinstance(prompt, str):
@@ -105,7 +109,7 @@ def generate(
     finish, stop_reason = "length", None
     start = time.perf_counter()
     first_token_s = 0.0
-    tokens = generate_tokens(lm.model, torch.tensor([prompt_ids]), params)
+    tokens = generate_tokens(lm.model, torch.tensor([prompt_ids]), params, cache_dtype)
     for token in tokens:
         token_id = int(token[0])
         if not out_ids:

@@ -142,10 +142,15 @@ def attend(
         v = torch.cat((v[:, :, :head], v[:, :, first_key:]), dim=2) if head else v[:, :, first_key:]
     num_keys = k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    unmasked_decode = exact is None and num_new == 1 and (window is None or num_keys <= window + head)
+    if unmasked_decode:
+        out = _dense_decode(q, k, v, scaling)  # the C decode kernel, in place (any cache dtype it reads)
+        if out is not None:
+            return out
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache kept narrower than the model (ContiguousKVCache's dtype)
+    if unmasked_decode:
+        return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
     if exact is None:
-        if num_new == 1 and (window is None or num_keys <= window + head):
-            out = _dense_decode(q, k, v, scaling)  # the C decode kernel, in place; SDPA where it cannot read k
-            return out if out is not None else F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
         if first_key == 0 and start_pos == 0 and (window is None or num_new <= window):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     q_pos = torch.arange(start_pos, start_pos + num_new, device=q.device)[:, None]

@@ -451,7 +451,7 @@ AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, co
 static inline int64_t act_offset(const QMatrix *m, int64_t blocks, int64_t b, int i) {
     if (m->bits != 4) return b * QBLOCK + i;
     const int lone = b == blocks - 1 && blocks % 2 == 1; /* an odd count's last block has no partner */
-    if (simd_level < LEVEL_VNNI || lone) return b * QBLOCK + (i & 1) * (QBLOCK / 2) + (i >> 1);
+    if (simd_level < LEVEL_AVX2 || lone) return b * QBLOCK + (i & 1) * (QBLOCK / 2) + (i >> 1);
     const int64_t h = b & 1;
     return (b - h) * QBLOCK + (i & 1) * QBLOCK + h * (QBLOCK / 2) + (i >> 1);
 }
@@ -508,6 +508,47 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_activa
         }
     }
 }
+
+/* quantize_activations with AVX2, a block a step: the same rounding (vcvtps2dq, to nearest even, as lrintf)
+ * and bytes; the 32 codes are written where act_offset puts them (the evens and odds apart for 4-bit codes). */
+AVX2 static void quantize_activations_avx2(const QMatrix *m, const float *x, int64_t rows, Int8Acts *a) {
+    const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * m->k;
+        int8_t *qr = a->q + r * m->k;
+        for (int64_t g = 0; g < m->groups; g++) a->gsum[r * m->groups + g] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xr + b * QBLOCK + 8 * i);
+                top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t codes[QBLOCK];
+            __m256i sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+                _mm256_storeu_si256((__m256i *)(codes + 8 * i), c);
+                sum = _mm256_add_epi32(sum, c);
+            }
+            if (m->bits == 4) {
+                int8_t *evens = qr + act_offset(m, blocks, b, 0), *odds = qr + act_offset(m, blocks, b, 1);
+                for (int i = 0; i < QBLOCK / 2; i++) evens[i] = (int8_t)codes[2 * i], odds[i] = (int8_t)codes[2 * i + 1];
+            } else {
+                for (int i = 0; i < QBLOCK; i++) qr[b * QBLOCK + i] = (int8_t)codes[i];
+            }
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+            a->d[r * blocks + b] = d;
+            a->gsum[r * m->groups + b / per_group] += d * (float)_mm_cvtsi128_si32(s);
+        }
+    }
+}
 #endif
 
 static void quantize_activations(const QMatrix *m, const float *x, int64_t rows, Int8Acts *a) {
@@ -515,6 +556,10 @@ static void quantize_activations(const QMatrix *m, const float *x, int64_t rows,
 #ifdef PB_X86
     if (simd_level >= LEVEL_AVX512) {
         quantize_activations_avx512(m, x, rows, a);
+        return;
+    }
+    if (use_avx2) {
+        quantize_activations_avx2(m, x, rows, a);
         return;
     }
 #endif
@@ -684,6 +729,173 @@ static int tile_eligible(const QMatrix *m) {
 }
 
 
+
+#ifdef PB_X86
+/* ---- int8 activations without VNNI (AVX2): a pair of blocks a step, up to four weight rows at a time ----
+ *
+ * Every AVX2 CPU (and AVX-512 without VNNI) takes these for 4- and 8-bit codes. A 4-bit pair's 32 packed
+ * bytes give both blocks' evens (low nibbles) and odds (high nibbles) from one load, one shift and two
+ * masks, against activations stored in the VNNI kernels' pair order (act_offset); maddubs sums each into
+ * int16 (2 x 15 x 127, twice, fits), one madd into int32 lanes 0-3 for the pair's first block and 4-7 for
+ * its second. 8-bit codes go in as c - 128 through the sign trick (block_products), and hadd puts the first
+ * block in lanes 0, 1, 4, 5. A step's activations and their block scales are loaded once for the weight
+ * rows, the codes unpacked once for the activation rows. */
+
+/* The lanes of a pair's eight int32 sums that hold its second block (pair_dot_avx2). */
+#define PAIR4_SECOND 0xF0
+#define PAIR8_SECOND 0xCC
+
+/* A pair's codes: 4-bit evens and odds of both blocks; 8-bit the two blocks as c - 128. */
+AVX2 static inline void pair_codes_avx2(const QMatrix *m, const uint8_t *row, int64_t p, __m256i *c0, __m256i *c1) {
+    if (m->bits == 4) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(row + p * QBLOCK)), low4 = _mm256_set1_epi8(0x0f);
+        *c0 = _mm256_and_si256(v, low4), *c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    } else {
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *c0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2 * p * QBLOCK)), flip);
+        *c1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2 * p * QBLOCK + QBLOCK)), flip);
+    }
+}
+
+/* A pair's products with one activation row q, as eight int32 lanes (the second block's: PAIR*_SECOND). */
+AVX2 static inline __m256i pair_dot_avx2(const QMatrix *m, __m256i c0, __m256i c1, const int8_t *q, int64_t p) {
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)(q + 2 * p * QBLOCK));
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(q + 2 * p * QBLOCK + QBLOCK));
+    if (m->bits == 4)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c0, q0), _mm256_maddubs_epi16(c1, q1)),
+                                 _mm256_set1_epi16(1));
+    return _mm256_hadd_epi32(block_products(1, c0, q0), block_products(1, c1, q1));
+}
+
+/* Two per-block values spread over a pair's lanes. */
+AVX2 static inline __m256 pair_spread_avx2(const QMatrix *m, float first, float second) {
+    const __m256 a = _mm256_set1_ps(first), b = _mm256_set1_ps(second);
+    return m->bits == 4 ? _mm256_blend_ps(a, b, PAIR4_SECOND) : _mm256_blend_ps(a, b, PAIR8_SECOND);
+}
+
+/* sum_g s_g z_g sums_g for row r (8-bit: z - 128, as the codes went in), eight groups a step. */
+AVX2 static float zero_term_avx2(const QMatrix *m, int64_t r, const float *sums) {
+    const uint16_t *scale = m->scales + r * m->groups;
+    const uint8_t *z = m->qzeros ? m->qzeros + r * m->zero_row_bytes : NULL;
+    if (!z && m->bits == 8) return 0.0f; /* symmetric 8-bit: z - 128 = 0 */
+    const float offset = m->bits == 8 ? 128.0f : 0.0f, symmetric = (float)(1 << (m->bits - 1));
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= m->groups; g += 8) {
+        __m256 zero = _mm256_set1_ps(symmetric);
+        if (z && m->bits == 4) { /* four bytes, low nibble first, back into group order */
+            uint32_t packed;
+            memcpy(&packed, z + g / 2, 4);
+            const __m128i v = _mm_cvtsi32_si128((int)packed), low4 = _mm_set1_epi8(0x0f);
+            const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+            zero = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+        } else if (z) {
+            zero = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(z + g)))),
+                                 _mm256_set1_ps(offset));
+        }
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(s, zero), _mm256_loadu_ps(sums + g), acc);
+    }
+    float total = hsum256(acc);
+    for (; g < m->groups; g++) {
+        const float zero = !z ? symmetric : (float)(m->bits == 4 ? (z[g / 2] >> (4 * (g & 1))) & 15 : z[g]) - offset;
+        total += _cvtsh_ss(scale[g]) * zero * sums[g];
+    }
+    return total;
+}
+
+/* NR (1..4) weight rows from r0 for R (1 or 2) activation rows from j0. With one activation row and groups of
+ * whole pairs (g64 and up), a group's pairs are summed weighted by the activations' block scales and the
+ * weight's group scale applied once; otherwise each pair's products take weight scale x block scale, the
+ * pair's two groups' scales spread over its halves where it straddles two (g32, Q4_1's layout). */
+AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const QMatrix *m, int64_t r0, const int NR,
+                                                                           const Int8Acts *a, int64_t j0, const int R,
+                                                                           float *y) {
+    const int64_t blocks = m->k / QBLOCK, pairs = blocks / 2, per_group = m->group_size / QBLOCK;
+    const int grouped = R == 1 && per_group % 2 == 0;
+    const uint8_t *rows[QUAD];
+    const uint16_t *scales[QUAD];
+    const int8_t *q[2];
+    const float *d[2];
+    __m256 total[QUAD][2], acc[QUAD];
+    for (int i = 0; i < NR; i++) {
+        rows[i] = m->qweight + (r0 + i) * m->row_bytes, scales[i] = m->scales + (r0 + i) * m->groups;
+        for (int j = 0; j < R; j++) total[i][j] = _mm256_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int j = 0; j < R; j++) q[j] = a->q + (j0 + j) * m->k, d[j] = a->d + (j0 + j) * blocks;
+    int64_t g0 = 0, left = per_group; /* the group of block 2p, and its blocks from 2p on: no division */
+    for (int64_t p = 0; p < pairs; p++) {
+        __m256 dv[2];
+        for (int j = 0; j < R; j++) dv[j] = pair_spread_avx2(m, d[j][2 * p], d[j][2 * p + 1]);
+        if (grouped) {
+            if (left == per_group)
+                for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
+            for (int i = 0; i < NR; i++) {
+                __m256i c0, c1;
+                pair_codes_avx2(m, rows[i], p, &c0, &c1);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[0], p)), dv[0], acc[i]);
+            }
+            left -= 2;
+            if (left == 0 || p == pairs - 1) {
+                for (int i = 0; i < NR; i++)
+                    total[i][0] = _mm256_fmadd_ps(acc[i], _mm256_set1_ps(_cvtsh_ss(scales[i][g0])), total[i][0]);
+                left = per_group, g0++;
+            }
+        } else {
+            const int64_t g1 = left > 1 ? g0 : g0 + 1; /* the group of block 2p + 1 */
+            for (int i = 0; i < NR; i++) {
+                __m256i c0, c1;
+                pair_codes_avx2(m, rows[i], p, &c0, &c1);
+                const __m256 s = pair_spread_avx2(m, _cvtsh_ss(scales[i][g0]), _cvtsh_ss(scales[i][g1]));
+                for (int j = 0; j < R; j++)
+                    total[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[j], p)),
+                                                  _mm256_mul_ps(s, dv[j]), total[i][j]);
+            }
+            left -= 2;
+            while (left <= 0) left += per_group, g0++;
+        }
+    }
+    if (blocks % 2) { /* an odd count's last block: its activations lie as a lone block's (act_offset) */
+        const int64_t b = blocks - 1, g = b / per_group;
+        for (int i = 0; i < NR; i++) {
+            const __m256i c = block_codes(m, rows[i], rows[i], b);
+            const float s = _cvtsh_ss(scales[i][g]);
+            for (int j = 0; j < R; j++) {
+                const __m256i prod = block_products(m->bits == 8, c,
+                                                    _mm256_loadu_si256((const __m256i *)(q[j] + b * QBLOCK)));
+                total[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(s * d[j][b]), total[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < R; j++)
+            y[(j0 + j) * m->n + r0 + i] = hsum256(total[i][j]) -
+                                          zero_term_avx2(m, r0 + i, a->gsum + (j0 + j) * m->groups) +
+                                          (m->bias ? m->bias[r0 + i] : 0.0f);
+}
+
+/* Weight rows [r0, r0 + nr) (nr <= 4) for every row of int8 activations, two activation rows at a time. */
+AVX2 static void tile_int8_avx2(const QMatrix *m, int64_t r0, int nr, const Int8Acts *a, int64_t rows, float *y) {
+#define TILE_CALL(NR, R) tile_int8_avx2_body(m, r0, NR, a, j0, R, y)
+#define BY_WEIGHT_ROWS(R)                                                                                          \
+    switch (nr) {                                                                                                  \
+    case 1: TILE_CALL(1, R); break;                                                                                \
+    case 2: TILE_CALL(2, R); break;                                                                                \
+    case 3: TILE_CALL(3, R); break;                                                                                \
+    default: TILE_CALL(4, R); break;                                                                               \
+    }
+    for (int64_t j0 = 0; j0 < rows; j0 += 2) {
+        if (rows - j0 >= 2) {
+            BY_WEIGHT_ROWS(2)
+        } else {
+            BY_WEIGHT_ROWS(1)
+        }
+    }
+#undef BY_WEIGHT_ROWS
+#undef TILE_CALL
+}
+#endif
 
 /* x in the order a 4-bit block's packed bytes give its codes: evens (low nibbles), then odds. */
 static void nibble_order(const float *x, int64_t k, float *out) {
@@ -1375,6 +1587,10 @@ static void quad_rows(const QMatrix *m, int64_t r0, int64_t r1, const float *x, 
                 tile_float_avx512(m, r0, m->bits == 4 ? xq : x, xsum, rows, y);
             return;
         }
+    }
+    if (use_int8 && use_avx2 && simd_level < LEVEL_VNNI && tile_eligible(m)) {
+        tile_int8_avx2(m, r0, (int)(r1 - r0), a, rows, y);
+        return;
     }
 #endif
     for (int64_t r = r0; r < r1; r++) {

@@ -44,15 +44,20 @@ def test_bench_config_validation():
         BenchConfig(decode_activations="int4")
     with pytest.raises(PaperbackError, match="threads"):
         BenchConfig(threads=0)
+    with pytest.raises(PaperbackError, match="kv cache dtype"):
+        BenchConfig(kv_cache_dtype="fp8")
 
 
 def test_bench_runs_in_a_worker_and_reports_every_metric():
     cfg = BenchConfig(prompt_tokens=32, decode_tokens=4, batches=(1, 2), repeats=1, threads=1,
-                      decode_activations="int8")
+                      decode_activations="int8", kv_cache_dtype="fp16")
     report = run_bench(cfg, peers=())
     json.dumps(report)
     assert report["config"]["decode_activations"] == "int8"  # recorded with the figures
     pb = report["engines"]["paperback"]
+    # an fp16 cache under the fp32 model: half the cache bytes a step reads, in the roofline too
+    assert pb["model"]["kv_cache_dtype"] == "float16"
+    assert pb["model"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert pb["threads"] == 1
     assert pb["prefill_tokens_per_s"] > 0 and pb["peak_rss_bytes"] > 100 * 2**20
     assert set(pb["decode"]) == {"1", "2"}

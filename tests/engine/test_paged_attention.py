@@ -163,21 +163,21 @@ def test_matches_dense_attention_on_cuda(seq_len, num_new, window):
     assert out.device.type == "cuda" and torch.allclose(out.cpu(), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("dim", [64, 24])
 @pytest.mark.parametrize("scaling", [0.01, 3.0, 40.0])
-def test_decode_kernel_softmax_holds_from_flat_to_one_hot_scores(scaling):
-    """The kernel's vectorised exp: nearly equal scores, and scores so far apart that all but one underflow."""
-    from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
+def test_decode_kernel_softmax_holds_from_flat_to_one_hot_scores(scaling, dim, kernel_path):
+    """The kernel's vectorised exp: nearly equal scores, and scores so far apart that all but one underflow; a
+    head of 24 takes the 8-lane (AVX2) loops even where the CPU has AVX-512."""
+    from paperback.engine.paged_attention import paged_decode_attention
 
     torch.manual_seed(1)
-    keys, values = torch.randn(8, 2, 16, 64), torch.randn(8, 2, 16, 64)
-    if not decode_kernel_available(keys):
-        pytest.skip("the paged decode kernel was not built (no C compiler at install)")
-    q = torch.randn(1, 6, 64)
+    keys, values = torch.randn(8, 2, 16, dim), torch.randn(8, 2, 16, dim)
+    q = torch.randn(1, 6, dim)
     got = paged_decode_attention(q, keys, values, torch.arange(8)[None], torch.tensor([121]), scaling)
-    k = keys.transpose(0, 1).reshape(2, 128, 64)[:, :121].double()  # (Hkv, S, D), in fp64 as the reference
-    v = values.transpose(0, 1).reshape(2, 128, 64)[:, :121].double()
-    want = torch.softmax(q[0].double().view(2, 3, 64) @ k.transpose(1, 2) * scaling, -1) @ v
-    assert torch.allclose(got[0].double(), want.view(6, 64), atol=1e-5)  # what fp32 SDPA also misses by
+    k = keys.transpose(0, 1).reshape(2, 128, dim)[:, :121].double()  # (Hkv, S, D), in fp64 as the reference
+    v = values.transpose(0, 1).reshape(2, 128, dim)[:, :121].double()
+    want = torch.softmax(q[0].double().view(2, 3, dim) @ k.transpose(1, 2) * scaling, -1) @ v
+    assert torch.allclose(got[0].double(), want.view(6, dim), atol=1e-5)  # what fp32 SDPA also misses by
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -224,9 +224,9 @@ def _quantized_codecs(name):
             "fp8-e5m2 per head": FP8Codec("e5m2", torch.tensor([0.5, 2.0]).view(2, 1, 1))}[name]
 
 
-@pytest.fixture(params=[True, False], ids=["avx512", "portable"])
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
 def kernel_path(request):
-    """The paged kernel's AVX-512 paths where the CPU has them, then its portable C."""
+    """The paged kernel's SIMD paths (AVX-512, AVX2, F16C) where the CPU has them, then its portable C."""
     from paperback.engine import paged_attention
 
     kernel = paged_attention._paged_kernel

@@ -26,11 +26,11 @@ def packed(model_type: str, tmp_path, layer_schemes=None):
     return lm.model
 
 
-def decode(model, ids, steps: int, fused: bool):
+def decode(model, ids, steps: int, fused: bool, cache_dtype=torch.float32):
     """Logits (B, steps, V) of greedy steps after the prompt, through a ContiguousKVCache."""
     batch, prompt = ids.shape
     with fd.fused_decode(fused), torch.inference_mode():
-        cache = ContiguousKVCache(model.config, batch, prompt + steps, torch.float32)
+        cache = ContiguousKVCache(model.config, batch, prompt + steps, cache_dtype)
         logits = model(ids, 0, cache, last_only=True)[:, -1]
         out = []
         for pos in range(prompt, prompt + steps):
@@ -51,6 +51,44 @@ def test_fused_steps_equal_the_module_path(model_type, batch, tmp_path):
     reference, fused = decode(model, ids, 14, False), decode(model, ids, 14, True)
     assert max_rel_error(fused, reference) < 1e-4
     assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["llama-tied", "gemma3"])
+def test_a_16_bit_cache_is_written_and_read_by_the_fused_step(model_type, cache_dtype, tmp_path):
+    """An fp32 model over an fp16 or bf16 cache: the step rounds each new key and value as the module path's cache
+    write does and attention reads them in place, so the two paths agree as closely as over an fp32 cache."""
+    model = packed(model_type, tmp_path)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 256, (2, 5))
+    reference, fused = decode(model, ids, 12, False, cache_dtype), decode(model, ids, 12, True, cache_dtype)
+    assert max_rel_error(fused, reference) < 1e-3
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+    exact = decode(model, ids, 12, False)
+    assert 0 < max_rel_error(reference, exact) < 0.05  # the cache's rounding, small beside the logits
+
+
+@pytest.mark.parametrize("f16c", [True, False])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_cache_writes_round_as_torch_does(cache_dtype, f16c):
+    """The step's fp32 -> fp16 / bf16 rounding (F16C or portable C) is torch's, bit for bit: ties to even,
+    subnormals, overflow to infinity, NaN kept a NaN."""
+    torch.manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -70000.0, 1e-8, -3e-5, 6.1e-5, 2.0 ** -24,
+                            2.0 ** -25, 3 * 2.0 ** -26, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8,
+                            1 + 3 * 2.0 ** -8, 3e38, float("inf"), -float("inf"), float("nan")])
+    values = torch.cat((special, torch.randn(4000) * torch.logspace(-9, 6, 4000))).contiguous()
+    values = values[: values.numel() // 8 * 8]  # the F16C path takes rows of 8
+    out = torch.empty(values.shape, dtype=cache_dtype)
+    previous = fd._fused_decode.use_f16c(f16c)
+    try:
+        fd._fused_decode.write_cache(values.data_ptr(), out.data_ptr(), values.numel(), fd._CACHE_DTYPES[cache_dtype])
+    finally:
+        fd._fused_decode.use_f16c(previous)
+    expected = values.to(cache_dtype)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
 
 
 def test_linears_of_one_unit_at_different_schemes(tmp_path):
@@ -90,7 +128,7 @@ def test_portable_kernel_paths(tmp_path):
     assert max_rel_error(fused, reference) < 1e-4
 
 
-def test_only_packed_models_over_a_dense_fp32_cache_qualify(tmp_path):
+def test_only_packed_models_over_a_dense_cache_qualify(tmp_path):
     model = packed("llama-tied", tmp_path / "q")
     tiny_hf("llama-tied").save_pretrained(tmp_path / "f")
     full = load_model(str(tmp_path / "f"), with_tokenizer=False).model
@@ -100,7 +138,9 @@ def test_only_packed_models_over_a_dense_fp32_cache_qualify(tmp_path):
     quantized = QuantizedKVCache(model.config, build_policy(model.config, spec={"default": "fp8"}), 1, 16,
                                  torch.float32)
     assert fd.plan_for(model, quantized) is None  # a quantized cache: its own read and write paths
-    assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.bfloat16)) is None
+    for dtype in (torch.float16, torch.bfloat16):
+        assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, dtype)) is not None
+    assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float64)) is None
     with fd.fused_decode(False):
         assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float32)) is None
     # A plan belongs to one model: another model over the same cache does not reuse it.

@@ -19,6 +19,27 @@ def test_cached_decoding_equals_full_forward(smollm2, gemma3):
         assert max_rel_error(torch.cat(steps, 1), full) < 1e-5
 
 
+def test_a_16_bit_cache_under_an_fp32_model(smollm2, gemma3):
+    """An fp16 (or bf16) cache for an fp32 model: prefill attends over the rounded keys, decode steps read them
+    in place (Gemma past its window too); the logits stay near the fp32 cache's, greedy text mostly the same."""
+    torch.manual_seed(0)
+    for lm, length, dtypes in ((smollm2, 40, (torch.float16, torch.bfloat16)), (gemma3, 520, (torch.float16,))):
+        ids = torch.randint(100, 5000, (1, length))
+        with torch.no_grad():
+            full = lm.model(ids)[:, -9:]
+            for dtype in dtypes:
+                cache = ContiguousKVCache(lm.config, 1, length, dtype)
+                assert cache.keys[0].dtype == dtype
+                steps = [lm.model(ids[:, :length - 9], 0, cache)[:, -1:]]
+                steps += [lm.model(ids[:, p:p + 1], p, cache) for p in range(length - 9, length)]
+                error = max_rel_error(torch.cat(steps, 1)[:, 1:], full)
+                assert 0 < error < (0.01 if dtype == torch.float16 else 0.05)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    text = generate(smollm2, "The history of the Roman Empire", params).token_ids
+    half = generate(smollm2, "The history of the Roman Empire", params, cache_dtype=torch.float16).token_ids
+    assert sum(a == b for a, b in zip(text, half)) >= 12
+
+
 def test_sliding_window_cache_beyond_the_window(gemma3):
     """Decoding past Gemma's 512-token window through the cache equals a full forward."""
     torch.manual_seed(1)
