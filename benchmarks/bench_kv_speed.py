@@ -12,7 +12,7 @@ every format's blocks in place (encoded blocks decoded inside its attention
 loop); "python", quantized layers decoding through `paged_attention`, their
 blocks decoded by PyTorch a few at a time per sequence, as the engine did
 before the kernel read them. Each configuration runs in its own process.
-Writes benchmarks/results/kv_speed_<model>.json.
+Writes benchmarks/results/kv_speed_<model>[_<tag>].json.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import sys
 import time
 
-from results_io import run_worker, warn_if_busy, write_results
+from results_io import add_tag_arg, results_name, run_worker, warn_if_busy, write_results
 
 
 def worker(args) -> dict:
@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--part", choices=["engine", "attention", "both"], default="both",
                    help="engine: decode steps of the whole model; attention: one layer's decode attention alone")
     p.add_argument("--repeats", type=int, default=30, help="attention part: calls per format")
+    add_tag_arg(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--attention-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, help=argparse.SUPPRESS)
@@ -157,7 +158,7 @@ def main() -> None:
         payload["attention"] = attention
     if args.part == "attention":
         payload["load_average"] = warn_if_busy(own_threads=args.threads)
-        write_results(f"kv_speed_{args.model}.json", payload)
+        write_results(results_name(f"kv_speed_{args.model}", args.tag), payload)
         return
     rows = []
     for context in args.contexts:
@@ -180,7 +181,7 @@ def main() -> None:
         print(f"{r['context']:>8} {r['kv']:>8} {r['path']:>7} {r['decode_tokens_per_s']:>8.1f} "
               f"{r['ms_per_step']:>8.1f} {ratio:>7.2f}x {r['pool_bytes'] / 2**20:>9.0f}")
     payload.update(load_average=load, rows=rows)
-    write_results(f"kv_speed_{args.model}.json", payload)
+    write_results(results_name(f"kv_speed_{args.model}", args.tag), payload)
 
 
 if __name__ == "__main__":

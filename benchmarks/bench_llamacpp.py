@@ -1,7 +1,7 @@
 """paperback beside llama.cpp on the same CPU: prefill and decode tokens/s, same prompt, alternating runs.
 
     .venv/bin/python benchmarks/bench_llamacpp.py [--model smollm2] [--threads 1 2] [--trials 3]
-        [--rows ...] [--decode-tokens 32]
+        [--rows ...] [--decode-tokens 32] [--tag NAME]
 
 llama.cpp (llama-cpp-python in `.venv-llamacpp`, compiled natively by
 benchmarks/peers/setup_llamacpp.sh) runs the bundled GGUF (SmolLM2: Q4_1
@@ -23,7 +23,7 @@ measured with the row's own thread count, over the bytes a decode step reads
 (weights + f16 KV for llama.cpp, paperback's own count for paperback; the JSON
 also keeps the fraction of the all-threads bandwidth); "roofline b8 / b1" is
 the batch-8 scaling the roofline itself allows (eight caches read a step
-against one). Writes benchmarks/results/llamacpp_<model>.json.
+against one). Writes benchmarks/results/llamacpp_<model>[_<tag>].json.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from paperback.cli.output import print_table
 from paperback.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import LLAMACPP_PYTHON, run_llamacpp_peer, warn_if_busy, write_results  # noqa: E402
+from results_io import (LLAMACPP_PYTHON, add_tag_arg, results_name, run_llamacpp_peer, warn_if_busy,  # noqa: E402
+                        write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +97,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="paperback's decode batches")
+    add_tag_arg(parser)
     args = parser.parse_args()
     warn_if_busy()
     if not LLAMACPP_PYTHON.exists():
@@ -188,11 +190,11 @@ def main() -> int:
         print("llama.cpp ran without its weight repacking (use_extra_bufts off): with it, its AMX matmul crashed "
               "on this CPU (ggml-org/llama.cpp#20824)")
     runs = {row: {str(t): trials for t, trials in by_t.items()} for row, by_t in results.items()}
-    write_results(f"llamacpp_{args.model}.json", {"model": args.model, "config": cfg.to_dict(), "trials": args.trials,
-                                                  "llamacpp_weight_repacking": False not in repacked,
-                                                  "bandwidth_bytes_per_s": bandwidth,
-                                                  "bandwidth_bytes_per_s_by_threads": {str(t): b for t, b in bandwidth_at.items()},
-                                                  "rows": table, "runs": runs})
+    write_results(results_name(f"llamacpp_{args.model}", args.tag), {
+        "model": args.model, "config": cfg.to_dict(), "trials": args.trials,
+        "llamacpp_weight_repacking": False not in repacked, "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_bytes_per_s_by_threads": {str(t): b for t, b in bandwidth_at.items()},
+        "rows": table, "runs": runs})
     return 0
 
 

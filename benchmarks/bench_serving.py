@@ -24,7 +24,7 @@ sharing: blocks held at peak for n = 4 parallel samples of one prompt (forked
 capacity: per KV format and sequence length, how many concurrent sequences
   the engine's pool holds in a fixed budget (the engine's own sizing, bf16
   model, staging for the exact recent windows included).
-Writes benchmarks/results/serving_<model>.json.
+Writes benchmarks/results/serving_<model>[_<tag>].json.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 import torch
 
 from paperback.memory import dense_kv_bytes_per_token
-from results_io import RESULTS, run_worker, warn_if_busy, write_results
+from results_io import RESULTS, add_tag_arg, results_name, run_worker, warn_if_busy, write_results
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
 
@@ -427,6 +427,7 @@ def run() -> int:
                         help="the paged-user row's matmul for steps of more than 16 rows")
     parser.add_argument("--user-checkpoint",
                         help="the paged-user row's checkpoint (default: RTN W4a-g128, made for the run)")
+    add_tag_arg(parser)
     parser.add_argument("--worker", choices=list(TOOL_NAMES), help=argparse.SUPPRESS)
     parser.add_argument("--budget-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -449,7 +450,8 @@ def run() -> int:
     if "capacity" in args.part:
         report["capacity"] = capacity(args)
     # Parts run separately merge into one file (a rerun of a part replaces it).
-    path = RESULTS / f"serving_{args.model}.json"
+    name = results_name(f"serving_{args.model}", args.tag)
+    path = RESULTS / name
     previous = json.loads(path.read_text()) if path.exists() else {}
     if "throughput" in args.part:
         config = lm.model.config
@@ -458,7 +460,7 @@ def run() -> int:
         report["throughput"] = throughput(args, work, config, previous.get("throughput") if same else None)
     report = {**previous, **report}
     print_tables(report, args.model)
-    write_results(f"serving_{args.model}.json", report)
+    write_results(name, report)
     return 0
 
 

@@ -19,6 +19,16 @@ def write_results(filename: str, payload: dict) -> Path:
     return out
 
 
+def add_tag_arg(parser) -> None:
+    parser.add_argument("--tag", default="", help="suffix of the JSON's name: one machine's results kept beside "
+                                                  "another's")
+
+
+def results_name(stem: str, tag: str) -> str:
+    """`stem`.json, or `stem`_`tag`.json."""
+    return f"{stem}_{tag}.json" if tag else f"{stem}.json"
+
+
 def run_worker(argv: list[str], what: str) -> dict:
     """Run `python argv...` in a fresh process and return the JSON object its last stdout line holds.
 

@@ -224,31 +224,41 @@ __attribute__((target("avx2,fma,f16c"))) static void int_rows_avx2(const kv_sour
     const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32((1 << log_per_byte) - 1)),
                                             log_bits);
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    const int64_t row_bytes = dim * bits / 8;
+    const int64_t row_bytes = dim * bits / 8, groups = src->kind == SRC_TOKEN_INT ? dim / src->group : 0;
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *packed = (const uint8_t *)src->data + (row + r) * row_bytes;
         const uint16_t *scale, *min;
         if (src->kind == SRC_TOKEN_INT) {
-            scale = src->scale + (row + r) * (dim / src->group);
-            min = src->min + (row + r) * (dim / src->group);
+            scale = src->scale + (row + r) * groups;
+            min = src->min + (row + r) * groups;
         } else {
             const int64_t at = (head_block * (block_size / src->group) + (slot + r) / src->group) * dim;
             scale = src->scale + at;
             min = src->min + at;
         }
+        __m256 s = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+        int64_t group_end = 0; /* per token: where the next group's scale starts (no division per step) */
         for (int64_t d = 0; d < dim; d += 8) {
             /* exactly the 8 codes' bytes, never past the row's end */
             const uint8_t *at = packed + d * bits / 8;
-            uint64_t word = 0;
-            memcpy(&word, at, (size_t)bits); /* 8 codes of `bits` bits are `bits` bytes */
-            const __m128i raw = _mm_cvtsi64_si128((long long)word);
-            const __m256i wide = _mm256_cvtepu8_epi32(raw);
+            uint64_t word = 0; /* 8 codes of `bits` bits are `bits` bytes; fixed sizes, so no call */
+            if (bits == 8)
+                memcpy(&word, at, 8);
+            else if (bits == 4)
+                memcpy(&word, at, 4);
+            else
+                memcpy(&word, at, 2);
+            const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)word));
             const __m256 codes = _mm256_cvtepi32_ps(
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, byte_of), shift), mask));
-            __m256 s, m;
+                bits == 8 ? wide
+                          : _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, byte_of), shift),
+                                             mask));
             if (src->kind == SRC_TOKEN_INT) {
-                s = _mm256_set1_ps(_cvtsh_ss(scale[d / src->group]));
-                m = _mm256_set1_ps(_cvtsh_ss(min[d / src->group]));
+                if (d == group_end) {
+                    s = _mm256_set1_ps(_cvtsh_ss(scale[d / src->group]));
+                    m = _mm256_set1_ps(_cvtsh_ss(min[d / src->group]));
+                    group_end += src->group;
+                }
             } else {
                 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + d)));
                 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(min + d)));
