@@ -7,8 +7,8 @@ runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
 MLP, the residuals) as one call, with the packed-weight kernel and the
 attention kernel the module path uses. `DecoderLM.hidden_states` takes it
 for one new token per row over a `ContiguousKVCache` (fp32, fp16 or bf16)
-whenever the model qualifies (`plan_for`); anything else (fp32 or bf16 linears, quantized or
-paged caches, prefill) runs module by module as before. The two paths agree
+whenever the model qualifies (`plan_for`); anything else (fp32 or bf16
+linears, quantized or paged caches, prefill) runs module by module as before. The two paths agree
 to fp32 rounding (tests/generation/test_fused_decode.py);
 PAPERBACK_FUSED_DECODE=0 or `fused_decode(False)` turns this one off.
 """
@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from paperback.engine.paged_attention import _KERNEL_DTYPES as _CACHE_DTYPES  # the dtypes the step writes and reads
 from paperback.errors import ContextLengthError
 from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.models.layers import RMSNorm
@@ -35,8 +36,6 @@ except ImportError:  # built without a C compiler, or without the other two kern
 
 enabled = os.environ.get("PAPERBACK_FUSED_DECODE", "1") != "0"
 
-# the cache dtypes the step writes and reads (PAGED_FP32, PAGED_FP16, PAGED_BF16 in engine/_paged_kernel.h)
-_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACTS = {"silu": 0}  # any other gate activation name is GELU (tanh), as models.layers.gated_mlp_act reads it
 _MAX_BATCH = 64
 _MAX_HEAD_DIM = 512
