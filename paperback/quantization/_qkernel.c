@@ -440,10 +440,10 @@ AVX512 static void row_times_x_avx512(const QMatrix *m, const uint8_t *codes, co
  * which 255 x 127 x 2 would overflow; |c - 128| <= 128 does not.
  * 4-bit rows are read packed (two codes a byte): a block's 16 bytes give its
  * even codes in the low nibbles and its odd codes in the high ones, so the
- * activations are stored where their codes land (act_offset): per block,
- * evens then odds; with VNNI, per pair of blocks, both blocks' evens then both
- * blocks' odds, which is how one 32-byte load gives a pair's 64 codes in two
- * instructions (pair_codes).
+ * activations are stored where their codes land (act_offset): in portable C
+ * per block, evens then odds; on every SIMD path per pair of blocks, both
+ * blocks' evens then both blocks' odds, which is how one 32-byte load gives a
+ * pair's 64 codes in two instructions (pair_codes, pair_codes_avx2).
  * Needs k and the group size to be multiples of 32; otherwise the float path. */
 #define QBLOCK 32
 
