@@ -105,11 +105,15 @@ def paged_worker(args) -> dict:
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
 
-    from paperback.quantization.kernels import set_prefill_matmul
+    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
+    from paperback.quantization.kernels import set_decode_activations, set_prefill_matmul
 
     user = args.worker == "paged-user"
-    if user:  # many-row steps (prefill chunks, batched decode) through bf16 tiles, as `--prefill-matmul bf16`
+    if user:  # many-row steps (prefill chunks, batched decode) through bf16 tiles, as `--prefill-matmul bf16`;
+        # decode rows with int8 activations and integer KV keys against int8 queries where chosen
         set_prefill_matmul(args.user_prefill_matmul)
+        set_decode_activations(args.user_decode_activations)
+        set_kv_scores(args.user_kv_scores)
     lm = load_model(args.user_checkpoint if user else args.model, "fp32")
     work = workload(lm.tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)
     engine = LLMEngine(lm, kv=args.user_kv if user else "fp32", kv_memory=args.kv_memory_mib * 2 ** 20,
@@ -132,7 +136,8 @@ def paged_worker(args) -> dict:
                    held / reserved, {"kv_pool_bytes": engine.pool.nbytes, "peak_running": peak_running,
                                      "preemptions": sum(o.timings["preemptions"] for o in outputs),
                                      "positions_computed": engine.positions_computed,
-                                     "linear_seconds": linears.seconds})
+                                     "linear_seconds": linears.seconds,
+                                     "kv_scores": kv_scores_in_effect() if user else "fp32"})
 
 
 def static_batches(work, budget_tokens: int) -> list[list[int]]:
@@ -246,7 +251,9 @@ def throughput(args, work, config, previous: dict | None) -> dict:
             continue
         with tempfile.TemporaryDirectory() as scratch:
             user = (["--user-checkpoint", user_checkpoint(args, scratch), "--user-kv", args.user_kv,
-                     "--user-prefill-matmul", args.user_prefill_matmul] if tool == "paged-user" else [])
+                     "--user-prefill-matmul", args.user_prefill_matmul, "--user-decode-activations",
+                     args.user_decode_activations, "--user-kv-scores", args.user_kv_scores]
+                    if tool == "paged-user" else [])
             rows.append(run_worker([__file__, "--worker", tool, "--model", args.model, "--requests",
                                     str(args.requests), "--seed", str(args.seed), "--kv-memory-mib",
                                     str(args.kv_memory_mib), "--max-num-seqs", str(args.max_num_seqs),
@@ -267,6 +274,7 @@ def throughput(args, work, config, previous: dict | None) -> dict:
     return {"rows": rows, "speedup": rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"],
             "user_speedup": user_speedup, "user_kv": args.user_kv if len(rows) > 2 else None,
             "user_prefill_matmul": args.user_prefill_matmul if len(rows) > 2 else None,
+            "user_decode_activations": args.user_decode_activations if len(rows) > 2 else None,
             "useful_positions": useful, "work_ratio": work_ratio,
             "contiguous_utilization": contiguous, "budget_tokens": budget_tokens}
 
@@ -382,7 +390,10 @@ def print_tables(report: dict, model: str) -> None:
                         "", "", ""] for k, v in t["contiguous_utilization"].items()])
         print(f"paged / transformers output tokens/s, same weights and cache (fp32): {t['speedup']:.2f}x")
         if t.get("user_speedup"):
-            print(f"paged W4 + {t['user_kv']} KV / transformers fp32 (what a user runs): {t['user_speedup']:.2f}x")
+            user = t["rows"][2]
+            print(f"paged W4 + {t['user_kv']} KV / transformers fp32 (what a user runs: prefill "
+                  f"{t['user_prefill_matmul']}, decode activations {t.get('user_decode_activations', 'fp32')}, "
+                  f"KV scores {user.get('kv_scores', 'fp32')}): {t['user_speedup']:.2f}x")
         if t.get("work_ratio"):
             print(f"positions transformers runs per position paperback runs: {t['work_ratio']:.2f}x "
                   f"({t['useful_positions']} needed); the rest of the ratio is speed per position")
@@ -425,6 +436,10 @@ def run() -> int:
     parser.add_argument("--user-kv", default="kivi2", help="the paged-user row's KV format")
     parser.add_argument("--user-prefill-matmul", default="bf16", choices=["fp32", "bf16"],
                         help="the paged-user row's matmul for steps of more than 16 rows")
+    parser.add_argument("--user-decode-activations", default="int8", choices=["fp32", "int8"],
+                        help="the paged-user row's decode activations against the packed weights")
+    parser.add_argument("--user-kv-scores", default="int8", choices=["fp32", "int8"],
+                        help="the paged-user row's scores of integer KV keys (int8 queries where the CPU allows)")
     parser.add_argument("--user-checkpoint",
                         help="the paged-user row's checkpoint (default: RTN W4a-g128, made for the run)")
     add_tag_arg(parser)

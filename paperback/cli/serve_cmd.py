@@ -43,6 +43,11 @@ def register(sub) -> None:
                    help="KV cache format of every layer (auto, fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, "
                         "pnmix, with settings and retention (sink=, window=) as in `paperback eval --kv`); default "
                         "(auto): the policy a fitted checkpoint carries, else fp32")
+    p.add_argument("--kv-scores", choices=["fp32", "int8"], default="fp32",
+                   help="how decode attention scores integer-coded keys (int8/int4/int2, KIVI): fp32 (codes decoded, "
+                        "exact; the default) or int8 (each query rounded to int8 and multiplied with the codes by "
+                        "integer dot products, as llama.cpp does for quantized K; faster, needs AVX-512 VNNI and "
+                        "VBMI, else fp32; its measured cost: docs/kv-cache.md)")
     p.add_argument("--kv-policy", default=None, help="JSON per-layer KV policy (see `paperback eval --help`)")
     p.add_argument("--kv-skip-layers", default=None, help="layers kept at fp16 (indices, ranges, global, sliding)")
     p.add_argument("--kv-memory", default=None, help="memory for the KV block pool (default 1GiB)")
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from paperback.engine.llm import LLMEngine
+    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.errors import PaperbackError
     from paperback.kv import build_policy, parse_kv_scheme
@@ -223,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
          f"{'; API key required' if api_key else ''})")
     for line in capacity_lines(engine, kv_memory, args.enable_prefix_caching):
         note(line)
+    set_kv_scores(args.kv_scores)
+    if args.kv_scores == "int8" and kv_scores_in_effect() != "int8":
+        note("--kv-scores int8: this CPU lacks AVX-512 VNNI or VBMI (or the paged kernel was not built); keys are "
+             "scored in fp32")
     app = create_app(runner, name, api_key=api_key, max_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:

@@ -196,18 +196,27 @@ __attribute__((target("avx512f,f16c"))) static void int_rows_avx512(const kv_sou
     }
 }
 
-/* n FP8 bytes (n % 16 == 0) times scale: the byte's exponent and mantissa moved into fp32's fields and rescaled
- * (exact, subnormals too), the sign put back. Encoding saturates, so the NaN byte (e4m3's S.1111.111, e5m2's
- * infinities and NaNs) never occurs in a cache; the scalar table handles them. */
+/* n FP8 bytes (n % 16 == 0) times scale. A normal byte's exponent and mantissa are moved into fp32's fields and
+ * its exponent rebased by an integer add; a subnormal byte (exponent 0) is its mantissa times 2^-9 (e4m3) or
+ * 2^-16 (e5m2), converted as an integer: both exact, and no subnormal fp32 ever meets the multiplier (each such
+ * operand cost a microcode assist, which made FP8 blocks the slowest format to read). The sign is put back last.
+ * Encoding saturates, so the NaN byte (e4m3's S.1111.111, e5m2's infinities and NaNs) never occurs in a cache;
+ * the scalar table handles them. */
 __attribute__((target("avx512f"))) static void fp8_rows_avx512(const uint8_t *codes, int e5m2, int64_t n, float scale,
                                                                float *out) {
-    const __m512 rescale = _mm512_set1_ps(scale * (e5m2 ? 0x1p112f : 0x1p120f));
+    const __m512 multiplier = _mm512_set1_ps(scale);
+    const __m512 subnormal_step = _mm512_set1_ps(scale * (e5m2 ? 0x1p-16f : 0x1p-9f));
+    const __m512i rebase = _mm512_set1_epi32((e5m2 ? 112 : 120) << 23);
+    const __m512i exponent_bits = _mm512_set1_epi32(e5m2 ? 0x7c : 0x78), mantissa_bits = _mm512_set1_epi32(e5m2 ? 3 : 7);
     const int shift = e5m2 ? 21 : 20;
     for (int64_t i = 0; i < n; i += 16) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
         const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), shift);
+        const __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_add_epi32(magnitude, rebase)), multiplier);
+        const __m512 small = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mantissa_bits)), subnormal_step);
+        const __mmask16 is_small = _mm512_testn_epi32_mask(b, exponent_bits);
+        const __m512 x = _mm512_mask_blend_ps(is_small, normal, small);
         const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-        const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), rescale);
         _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign)));
     }
 }
@@ -608,6 +617,451 @@ __attribute__((target("avx2,fma"))) static void weighted_rows_avx2(float *a, flo
 }
 #endif
 
+/* ---- scores from integer key codes: the query rounded to int8, VNNI dot products (AVX-512 VNNI + VBMI) ----
+ *
+ * Decoding a quantized key to fp32 and then multiplying costs more than the fp16 keys it replaces (about eight
+ * instructions per sixteen channels before the dot product starts). Here the group's queries are rounded to
+ * int8 per span of channels (as llama.cpp rounds Q to its K type's Q8 blocks), and each key's codes meet them
+ * as they are: vpdpbusd multiplies four code bytes by four query bytes and sums them into an int32 lane. The
+ * codes' scale and minimum are applied once per sum, not once per channel:
+ *   per token and group g (INT8 / INT4, PN-free formats): q.k = sum_g s_g * sum_{d in g} q_d c_d + m_g * sum_{d in g} q_d
+ *   per channel, for a group of tokens (KIVI's keys):      q.k = sum_d (q_d s_d) c_d + sum_d q_d m_d
+ * so for KIVI the query is rounded after multiplying by the group's channel scales (once per token group).
+ *
+ * Sixteen keys go through together with the keys in the lanes: their 64-channel segments (codes spread to one
+ * byte each by vpermb and vpmultishiftqb, natural channel order) are transposed as a 16 x 16 matrix of 32-bit
+ * words, so word w of every key sits in one vector and one vpdpbusd per query head adds channels 4w..4w+3 of
+ * all sixteen keys; the transpose is shared by the group's heads. The result is the fp32 path's up to the
+ * query's rounding (tests bound the difference; bench_kv_speed measures the KL it costs). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define INTQ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma,f16c")))
+#endif
+
+enum { MAX_QUERY_GROUP = 32 }; /* query heads per KV head the integer path takes (more: the fp32 path) */
+static int has_int_scores;     /* the CPU (and the SIMD switch) allow the integer path */
+static int int_scores_on;      /* the caller chose it (set_kv_scores) */
+
+static int int_scores_supported(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* Channels per query scale for integer keys of this source (0: the integer path cannot read it): a token
+ * format's channel group (16 or 32, or 64 for a multiple of 64), 32 for per-channel keys. */
+static int64_t int_span(const kv_source *src, int64_t dim) {
+    if (dim % 64 || (src->bits != 2 && src->bits != 4 && src->bits != 8)) return 0;
+    if (src->kind == SRC_CHANNEL_INT) return 32;
+    if (src->kind != SRC_TOKEN_INT) return 0;
+    if (src->group == 16 || src->group == 32) return src->group;
+    return src->group % 64 == 0 ? 64 : 0;
+}
+
+/* The group's queries as int8 codes for one key source (scratch: int_query_floats). */
+typedef struct {
+    int8_t *codes, *rest;     /* (group, dim), natural channel order: q ~ codes x scale + rest x rest_scale */
+    float *scale, *rest_scale; /* (group, spans): the span's steps times the attention scaling */
+    float *sum;               /* (group, spans): per-token keys: scaling x the span's sum of q (fp32) */
+    float *shift;             /* (group, spans): per-token keys: the rounding's correction, in code steps */
+    float *offset;            /* (group): per-channel keys: scaling x sum_d q_d m_d for the current token group */
+    int64_t span, spans;
+    int rounds;               /* of int8 codes: 2 for 8-bit keys, whose own rounding is fine enough to show one's */
+    float center;             /* the codes' midpoint, (2^bits - 1) / 2 */
+    int64_t block_row, token_group; /* per-channel keys: whose scales the codes hold (-1: none yet) */
+} int_query;
+
+static int64_t int_query_floats(int64_t group, int64_t dim) {
+    return (2 * group * dim + 3) / 4 + 4 * group * (dim / 16) + group;
+}
+
+static void int_query_init(int_query *iq, float *at, int64_t group, int64_t dim, int64_t span, int bits) {
+    iq->codes = (int8_t *)at;
+    iq->rest = iq->codes + group * dim;
+    iq->scale = at + (2 * group * dim + 3) / 4;
+    iq->rest_scale = iq->scale + group * (dim / 16);
+    iq->sum = iq->rest_scale + group * (dim / 16);
+    iq->shift = iq->sum + group * (dim / 16);
+    iq->offset = iq->shift + group * (dim / 16);
+    iq->rounds = bits == 8 ? 2 : 1;
+    iq->center = ((1 << bits) - 1) / 2.0f;
+    iq->span = span;
+    iq->spans = dim / span;
+    iq->block_row = iq->token_group = -1;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* n (16, 32 or 64) channels of x, times fp16 `mul` where given, as int8 codes: x ~ codes x step, each step
+ * mapping the largest magnitude to 127; with two rounds, what the first leaves is rounded again (x ~ codes x step
+ * + rest x rest_step), so the query carries about 16 bits: one round, as llama.cpp's Q8 blocks, cost INT8 keys
+ * more KL than their own rounding (docs/kv-cache.md). The steps times scaling go to *scale, *rest_scale; scaling
+ * x the channels' sum to *sum where asked, and scaling x (rounded sum - sum) to *error. */
+INTQ static void quantize_span(const float *x, const uint16_t *mul, int64_t n, float scaling, int rounds,
+                               int8_t *codes, int8_t *rest, float *scale, float *rest_scale, float *sum,
+                               float *error) {
+    __m512 v[4], top = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 16; i++) {
+        v[i] = _mm512_loadu_ps(x + 16 * i);
+        if (mul) v[i] = _mm512_mul_ps(v[i], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mul + 16 * i))));
+        top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
+        total = _mm512_add_ps(total, v[i]);
+    }
+    *scale = *rest_scale = 0.0f;
+    __m512 left_sum = _mm512_setzero_ps(); /* what the rounds leave, summed */
+    for (int round = 0; round < rounds; round++) {
+        const float largest = _mm512_reduce_max_ps(top), inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        const float step = largest / 127.0f;
+        int8_t *out = round ? rest : codes;
+        top = left_sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n / 16; i++) {
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inverse)));
+            _mm_storeu_si128((__m128i *)(out + 16 * i), _mm512_cvtsepi32_epi8(c));
+            v[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(step), v[i]); /* what is left */
+            top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
+            left_sum = _mm512_add_ps(left_sum, v[i]);
+        }
+        *(round ? rest_scale : scale) = step * scaling;
+    }
+    if (sum) *sum = _mm512_reduce_add_ps(total) * scaling;
+    *error = -_mm512_reduce_add_ps(left_sum) * scaling;
+}
+
+/* Per-token keys: every head's codes, once per (sequence, KV head). The rounding error e (rounded q - q) meets
+ * the codes c as sum e c = sum e (c - center) + center sum e, and the last term is known: it is taken out, so
+ * what is left weighs the error by codes about their middle (about a quarter of the variance). */
+INTQ static void int_query_tokens(int_query *iq, const float *q, int64_t group, int64_t dim, float scaling) {
+    for (int64_t h = 0; h < group; h++)
+        for (int64_t s = 0; s < iq->spans; s++) {
+            float error;
+            quantize_span(q + h * dim + s * iq->span, NULL, iq->span, scaling, iq->rounds,
+                          iq->codes + h * dim + s * iq->span, iq->rest + h * dim + s * iq->span,
+                          iq->scale + h * iq->spans + s, iq->rest_scale + h * iq->spans + s,
+                          iq->sum + h * iq->spans + s, &error);
+            iq->shift[h * iq->spans + s] = -iq->center * error;
+        }
+}
+
+/* Per-channel keys: the codes of q times this token group's channel scales, and the minimums' term (with the
+ * rounding's known part taken out, as for per-token keys). */
+INTQ static void int_query_channels(int_query *iq, const kv_source *src, const float *q, int64_t group, int64_t dim,
+                                    float scaling, int64_t block_row, int64_t block_size, int64_t token_group) {
+    const int64_t at = (block_row * (block_size / src->group) + token_group) * dim;
+    const uint16_t *scale = src->scale + at, *min = src->min + at;
+    for (int64_t h = 0; h < group; h++) {
+        __m512 offset = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+            offset = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim + d),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(min + d))), offset);
+        float shift = 0.0f;
+        for (int64_t s = 0; s < iq->spans; s++) {
+            float error;
+            quantize_span(q + h * dim + s * iq->span, scale + s * iq->span, iq->span, scaling, iq->rounds,
+                          iq->codes + h * dim + s * iq->span, iq->rest + h * dim + s * iq->span,
+                          iq->scale + h * iq->spans + s, iq->rest_scale + h * iq->spans + s, NULL, &error);
+            shift -= iq->center * error;
+        }
+        iq->offset[h] = _mm512_reduce_add_ps(offset) * scaling + shift;
+    }
+    iq->block_row = block_row;
+    iq->token_group = token_group;
+}
+
+/* vpermb indices and vpmultishiftqb controls spreading a 64-channel segment's 2- or 4-bit codes to a byte
+ * each: qword k of the result gathers the packed bytes holding channels 8k..8k+7, and its byte j takes the
+ * bits of channel 8k + j (masked after). Filled at load time. */
+static uint8_t spread_index[2][64]; /* [0]: 2-bit, [1]: 4-bit */
+
+static void fill_spread_index(void) {
+    for (int j = 0; j < 64; j++) {
+        spread_index[0][j] = (uint8_t)(2 * (j / 8) + j % 2);
+        spread_index[1][j] = (uint8_t)(4 * (j / 8) + j % 4);
+    }
+}
+
+/* Keys k < live of a run: their 64-channel segment `seg` as one code byte per channel (keys from live on: 0). */
+INTQ static inline __attribute__((always_inline)) void load_segment(const uint8_t *rows, int64_t row_bytes, int bits,
+                                                                    int64_t seg, int64_t live, __m512i r[16]) {
+    const __m512i index = _mm512_loadu_si512(spread_index[bits == 4]);
+    const __m512i control = _mm512_set1_epi64(bits == 4 ? 0x1c1814100c080400LL : 0x0e0c0a0806040200LL);
+    const __m512i mask = _mm512_set1_epi8(bits == 4 ? 0x0f : 0x03);
+    for (int k = 0; k < 16; k++) {
+        const uint8_t *at = rows + k * row_bytes + seg * 8 * bits;
+        if (k >= live)
+            r[k] = _mm512_setzero_si512();
+        else if (bits == 8)
+            r[k] = _mm512_loadu_si512(at);
+        else {
+            const __m512i packed = bits == 4 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at))
+                                             : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)at));
+            r[k] = _mm512_and_si512(_mm512_multishift_epi64_epi8(control, _mm512_permutexvar_epi8(index, packed)),
+                                    mask);
+        }
+    }
+}
+
+/* t[w] lane k = r[k] lane w: 32-bit pairs, then 64-bit, then 128-bit blocks twice. */
+INTQ static inline __attribute__((always_inline)) void transpose16(const __m512i r[16], __m512i t[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + j] block L: rows 4i..4i+3 at word 4L + j */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        t[j] = _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
+        t[4 + j] = _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
+        t[8 + j] = _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + j] = _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* Group g's fp16 scale (or minimum) of `live` (<= 16) consecutive keys, rows of `groups` values from p, as fp32
+ * (0 past live). */
+INTQ static inline __m512 token_param(const uint16_t *p, int64_t groups, int64_t g, int64_t live) {
+    const __mmask16 keys_live = (__mmask16)((1u << live) - 1);
+    if (groups == 1) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keys_live, p));
+    if (groups == 2) { /* 32 values, every other one */
+        const __mmask32 both = live == 16 ? 0xffffffffu : (__mmask32)((1u << (2 * live)) - 1);
+        const __m512i pick = _mm512_add_epi16(
+            _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20,
+                             18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+            _mm512_set1_epi16((short)g));
+        const __m512i values = _mm512_permutexvar_epi16(pick, _mm512_maskz_loadu_epi16(both, p));
+        return _mm512_cvtph_ps(_mm512_castsi512_si256(values));
+    }
+    /* the 32-bit word holding the value: starting at it for the first group, else one value before (so no
+     * word reaches past the row's last value), shifted down where the value is the upper half */
+    const __m512i keys = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(keys, _mm512_set1_epi32((int)groups)),
+                                        _mm512_set1_epi32((int)(g ? g - 1 : 0)));
+    __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keys_live, at, p, 2);
+    if (g) words = _mm512_srli_epi32(words, 16);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+}
+
+/* One segment of a run for every head: sixteen vpdpbusd a head, their sums per span (spans_per_segment of
+ * them, a constant in each inlined copy, so the sums stay in registers) weighted into the heads' scores. */
+INTQ static inline __attribute__((always_inline)) void segment_scores(const __m512i t[16], const int_query *iq,
+                                                                      int64_t heads, int64_t dim, int64_t seg,
+                                                                      const int spans_per_segment,
+                                                                      const int per_token, const int rounds,
+                                                                      const __m512 *key_scale,
+                                                                      const __m512 *key_min, __m512 *score) {
+    for (int64_t h = 0; h < heads; h++) {
+        __m512i sums[4], rest_sums[4];
+        for (int s = 0; s < spans_per_segment; s++) sums[s] = rest_sums[s] = _mm512_setzero_si512();
+        const int8_t *quads = iq->codes + h * dim + seg * 64, *rest_quads = iq->rest + h * dim + seg * 64;
+#pragma GCC unroll 16
+        for (int w = 0; w < 16; w++) {
+            int32_t quad, rest_quad;
+            memcpy(&quad, quads + 4 * w, 4);
+            memcpy(&rest_quad, rest_quads + 4 * w, 4);
+            const int s = w * spans_per_segment / 16;
+            sums[s] = _mm512_dpbusd_epi32(sums[s], t[w], _mm512_set1_epi32(quad));
+            if (rounds == 2) rest_sums[s] = _mm512_dpbusd_epi32(rest_sums[s], t[w], _mm512_set1_epi32(rest_quad));
+        }
+        __m512 x = score[h];
+        for (int s = 0; s < spans_per_segment; s++) {
+            const int64_t span = seg * spans_per_segment + s;
+            __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[s]), _mm512_set1_ps(iq->scale[h * iq->spans + span]));
+            if (rounds == 2)
+                dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_sums[s]),
+                                      _mm512_set1_ps(iq->rest_scale[h * iq->spans + span]), dot);
+            if (per_token) {
+                dot = _mm512_add_ps(dot, _mm512_set1_ps(iq->shift[h * iq->spans + span]));
+                x = _mm512_fmadd_ps(dot, key_scale[s], x);
+                x = _mm512_fmadd_ps(key_min[s], _mm512_set1_ps(iq->sum[h * iq->spans + span]), x);
+            } else {
+                x = _mm512_add_ps(x, dot);
+            }
+        }
+        score[h] = x;
+    }
+}
+
+/* Scaled scores of keys [slot, slot + count) of one block (its rows for this KV head from block_row) for the
+ * group's `heads` queries q: score[h * stride + j]; best[h] raised to their largest. */
+INTQ static void int_key_scores(const kv_source *src, int_query *iq, const float *q, float scaling,
+                                int64_t block_row, int64_t block_size, int64_t slot, int64_t count, int64_t heads,
+                                int64_t dim, float *score, int64_t stride, float *best) {
+    const int bits = src->bits, per_token = src->kind == SRC_TOKEN_INT;
+    const int64_t row_bytes = dim * bits / 8, first_row = block_row * block_size + slot;
+    const int64_t groups = per_token ? dim / src->group : 0, spans_per_segment = 64 / (iq->span < 64 ? iq->span : 64);
+    __m512 top[MAX_QUERY_GROUP], x[MAX_QUERY_GROUP];
+    for (int64_t h = 0; h < heads; h++) top[h] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < count;) {
+        int64_t live = count - j < 16 ? count - j : 16;
+        if (!per_token) { /* a run stays in one token group: one set of channel scales */
+            const int64_t token_group = (slot + j) / src->group, end = (token_group + 1) * src->group - slot;
+            if (live > end - j) live = end - j;
+            if (iq->block_row != block_row || iq->token_group != token_group)
+                int_query_channels(iq, src, q, heads, dim, scaling, block_row, block_size, token_group);
+        }
+        for (int64_t h = 0; h < heads; h++) x[h] = per_token ? _mm512_setzero_ps() : _mm512_set1_ps(iq->offset[h]);
+        const uint8_t *rows = (const uint8_t *)src->data + (first_row + j) * row_bytes;
+        for (int64_t seg = 0; seg < dim / 64; seg++) {
+            __m512i r[16], t[16];
+            __m512 key_scale[4], key_min[4];
+            load_segment(rows, row_bytes, bits, seg, live, r);
+            transpose16(r, t);
+            if (per_token)
+                for (int64_t s = 0; s < spans_per_segment; s++) {
+                    const int64_t g = (seg * 64 + s * iq->span) / src->group;
+                    key_scale[s] = token_param(src->scale + (first_row + j) * groups, groups, g, live);
+                    key_min[s] = token_param(src->min + (first_row + j) * groups, groups, g, live);
+                }
+            /* a constant (spans, per token, rounds) in each copy, so the sums stay in registers */
+            switch ((spans_per_segment * 2 + per_token) * 2 + (iq->rounds == 2)) {
+            case 4: segment_scores(t, iq, heads, dim, seg, 1, 0, 1, key_scale, key_min, x); break;
+            case 5: segment_scores(t, iq, heads, dim, seg, 1, 0, 2, key_scale, key_min, x); break;
+            case 6: segment_scores(t, iq, heads, dim, seg, 1, 1, 1, key_scale, key_min, x); break;
+            case 7: segment_scores(t, iq, heads, dim, seg, 1, 1, 2, key_scale, key_min, x); break;
+            case 8: segment_scores(t, iq, heads, dim, seg, 2, 0, 1, key_scale, key_min, x); break;
+            case 9: segment_scores(t, iq, heads, dim, seg, 2, 0, 2, key_scale, key_min, x); break;
+            case 10: segment_scores(t, iq, heads, dim, seg, 2, 1, 1, key_scale, key_min, x); break;
+            case 11: segment_scores(t, iq, heads, dim, seg, 2, 1, 2, key_scale, key_min, x); break;
+            case 16: segment_scores(t, iq, heads, dim, seg, 4, 0, 1, key_scale, key_min, x); break;
+            case 17: segment_scores(t, iq, heads, dim, seg, 4, 0, 2, key_scale, key_min, x); break;
+            case 18: segment_scores(t, iq, heads, dim, seg, 4, 1, 1, key_scale, key_min, x); break;
+            default: segment_scores(t, iq, heads, dim, seg, 4, 1, 2, key_scale, key_min, x);
+            }
+        }
+        const __mmask16 keys_live = (__mmask16)((1u << live) - 1);
+        for (int64_t h = 0; h < heads; h++) {
+            _mm512_mask_storeu_ps(score + h * stride + j, keys_live, x[h]);
+            top[h] = _mm512_mask_max_ps(top[h], keys_live, top[h], x[h]);
+        }
+        j += live;
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const float largest = _mm512_reduce_max_ps(top[h]);
+        if (largest > best[h]) best[h] = largest;
+    }
+}
+#endif
+
+
+/* ---- values from integer codes, weighted in place (per-token formats: INT8 / INT4 / INT2, KIVI's values) ----
+ *
+ * out_h += sum_t p_ht v_t with v_t = code_t x s_tg + m_tg over channel groups g: the scale folds into the
+ * weight (p_ht s_tg, sixteen tokens at a time) and the minimum into one term per group (sum_t p_ht m_tg), so
+ * each token's codes are turned to floats once for every head and meet the accumulators with one FMA per
+ * sixteen channels, where decoding them to an fp32 row first cost a scale, a minimum, a store and a load
+ * more. Exact in fp32 up to the order of the sums. */
+
+/* Whether the fused path reads this value source: per-token integer codes, 64-channel segments, groups of
+ * at least sixteen channels. */
+static int fused_values(const kv_source *src, int64_t dim) {
+    return src->kind == SRC_TOKEN_INT && dim % 64 == 0 && src->group % 16 == 0 &&
+           (src->bits == 2 || src->bits == 4 || src->bits == 8);
+}
+
+/* Floats weighted_codes needs (the weights, then the minimums' terms). */
+static int64_t weighted_codes_floats(int64_t group, int64_t dim, int64_t chunk) {
+    return group * (dim / 16) * chunk + group * (dim / 16);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* One row's 64-channel segment of codes as four vectors of floats, natural channel order. */
+INTQ static inline __attribute__((always_inline)) void segment_floats(const uint8_t *at, int bits, __m512 x[4]) {
+    if (bits == 8) {
+        for (int v = 0; v < 4; v++)
+            x[v] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 16 * v))));
+        return;
+    }
+    const __m512i packed = bits == 4 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at))
+                                     : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)at));
+    const __m512i bytes = _mm512_and_si512(
+        _mm512_multishift_epi64_epi8(_mm512_set1_epi64(bits == 4 ? 0x1c1814100c080400LL : 0x0e0c0a0806040200LL),
+                                     _mm512_permutexvar_epi8(_mm512_loadu_si512(spread_index[bits == 4]), packed)),
+        _mm512_set1_epi8(bits == 4 ? 0x0f : 0x03));
+    x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(bytes)));
+    x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1)));
+    x[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)));
+    x[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 3)));
+}
+
+/* Heads [h0, h0 + NH) over one segment: their 4 x NH accumulators in registers for every token. */
+INTQ static inline __attribute__((always_inline)) void weighted_segment(float *acc, const float *weight,
+                                                                        const uint8_t *rows, int64_t row_bytes,
+                                                                        int bits, int64_t count, int64_t dim,
+                                                                        int64_t groups, int64_t group_size,
+                                                                        int64_t chunk, int64_t seg, int64_t h0,
+                                                                        const int NH) {
+    __m512 a[4][4];
+    int64_t g[4];
+    for (int v = 0; v < 4; v++) g[v] = (seg * 64 + 16 * v) / group_size;
+    for (int h = 0; h < NH; h++)
+        for (int v = 0; v < 4; v++) a[h][v] = _mm512_loadu_ps(acc + (h0 + h) * dim + seg * 64 + 16 * v);
+    for (int64_t t = 0; t < count; t++) {
+        __m512 x[4];
+        segment_floats(rows + t * row_bytes + seg * 8 * bits, bits, x);
+        for (int h = 0; h < NH; h++) {
+            const float *w = weight + ((h0 + h) * groups) * chunk + t; /* w[g * chunk]: token t, group g */
+            for (int v = 0; v < 4; v++) a[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(w[g[v] * chunk]), x[v], a[h][v]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(acc + (h0 + h) * dim + seg * 64 + 16 * v, a[h][v]);
+}
+
+/* acc_h = c_h acc_h + sum_t p[h * p_stride + t] v_t for the group's heads, v_t the value rows [first_row,
+ * first_row + count) decoded on the fly; scratch: weighted_codes_floats. */
+INTQ static void weighted_codes(float *acc, const float *c, const float *p, int64_t p_stride, const kv_source *src,
+                                int64_t first_row, int64_t count, int64_t heads, int64_t dim, int64_t chunk,
+                                float *scratch) {
+    const int bits = src->bits;
+    const int64_t groups = dim / src->group, row_bytes = dim * bits / 8;
+    float *weight = scratch, *mins = weight + heads * groups * chunk; /* weight[(h, g), t]; mins[h, g] */
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(acc + h * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + d), _mm512_set1_ps(c[h])));
+    for (int64_t g = 0; g < groups; g++) { /* sixteen tokens at a time: weights p s and the sums of p m */
+        __m512 low[MAX_QUERY_GROUP];
+        for (int64_t h = 0; h < heads; h++) low[h] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < count; t += 16) {
+            const int64_t live = count - t < 16 ? count - t : 16;
+            const __mmask16 keys_live = (__mmask16)((1u << live) - 1);
+            const __m512 s = token_param(src->scale + (first_row + t) * groups, groups, g, live);
+            const __m512 m = token_param(src->min + (first_row + t) * groups, groups, g, live);
+            for (int64_t h = 0; h < heads; h++) {
+                const __m512 ph = _mm512_maskz_loadu_ps(keys_live, p + h * p_stride + t);
+                _mm512_mask_storeu_ps(weight + (h * groups + g) * chunk + t, keys_live, _mm512_mul_ps(ph, s));
+                low[h] = _mm512_fmadd_ps(ph, m, low[h]);
+            }
+        }
+        for (int64_t h = 0; h < heads; h++) mins[h * groups + g] = _mm512_reduce_add_ps(low[h]);
+    }
+    const uint8_t *rows = (const uint8_t *)src->data + first_row * row_bytes;
+    for (int64_t seg = 0; seg < dim / 64; seg++)
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+            switch (heads - h0 < 4 ? heads - h0 : 4) {
+            case 1: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 1); break;
+            case 2: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 2); break;
+            case 3: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 3); break;
+            default: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 4);
+            }
+        }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(acc + h * dim + d, _mm512_add_ps(_mm512_loadu_ps(acc + h * dim + d),
+                                                               _mm512_set1_ps(mins[h * groups + d / src->group])));
+}
+#endif
+
 static float block_scores(const float *q, const float *k, int64_t count, int64_t dim, float scaling, float *score,
                           float floor) {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -648,7 +1102,8 @@ static void weighted_rows(float *a, float c, const float *p, const float *v, int
 /* Scratch floats attend_one needs. */
 static int64_t scratch_size(int64_t group, int64_t dim, int64_t block_size) {
     const int64_t chunk = block_size < CHUNK ? block_size : CHUNK;
-    return group * dim + 2 * group + chunk + 2 * chunk * dim;
+    return group * dim + 3 * group + group * chunk + 2 * chunk * dim + int_query_floats(group, dim) +
+           weighted_codes_floats(group, dim, chunk) + group;
 }
 
 /* Exact (16-bit) blocks of quantized layers, by staging slot: (slots, Hkv, block_size, D). */
@@ -666,13 +1121,26 @@ WIDEST static void attend_one(const float *q, float *out, const kv_source *keys,
                               int64_t block_size, float scaling, int64_t window, int64_t sink, int64_t from,
                               int64_t to, float *scratch, float *partial) {
     const int64_t chunk = block_size < CHUNK ? block_size : CHUNK;
-    float *acc = scratch, *run_max = acc + group * dim, *run_sum = run_max + group, *score = run_sum + group,
-          *kbuf = score + chunk, *vbuf = kbuf + chunk * dim;
+    float *acc = scratch, *run_max = acc + group * dim, *run_sum = run_max + group, *best = run_sum + group,
+          *score = best + group, *kbuf = score + group * chunk, *vbuf = kbuf + chunk * dim;
     for (int64_t g = 0; g < group; g++) {
         run_max[g] = -INFINITY;
         run_sum[g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * group * dim);
+    /* Encoded keys meet the queries rounded to int8 where chosen and the CPU allows (int_key_scores). */
+    int_query iq;
+    const int64_t query_span = int_scores_on && has_int_scores && group <= MAX_QUERY_GROUP ? int_span(keys, dim) : 0;
+    /* Integer value codes are weighted where they lie (weighted_codes) where the CPU allows. */
+    const int fused = has_int_scores && group <= MAX_QUERY_GROUP && fused_values(values, dim);
+    float *value_scratch = vbuf + chunk * dim + int_query_floats(group, dim), *rescale = value_scratch +
+                           weighted_codes_floats(group, dim, chunk);
+    if (query_span) {
+        int_query_init(&iq, vbuf + chunk * dim, group, dim, query_span, keys->bits);
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (keys->kind == SRC_TOKEN_INT) int_query_tokens(&iq, q, group, dim, scaling);
+#endif
+    }
     /* Visible keys: [0, sink) and [lo, length), the window's start lo; one span where the sinks reach it. */
     const int64_t start = window > 0 && length > window ? length - window : 0, lo = sink >= start ? 0 : start;
     int64_t spans[2][2] = {{0, sink < lo ? sink : 0}, {lo, length}};
@@ -687,24 +1155,43 @@ WIDEST static void attend_one(const float *q, float *out, const kv_source *keys,
             int64_t count = block_size - slot;
             if (count > chunk) count = chunk;
             if (first + count > spans[span][1]) count = spans[span][1] - first;
-            const float *k, *v;
-            if (stage_table && stage_table[logical] >= 0) {
+            const float *k = NULL, *v = NULL;
+            const int staged = stage_table && stage_table[logical] >= 0;
+            if (staged) {
                 const int64_t row = (stage_table[logical] * kv_heads + kv_head) * block_size + slot;
                 k = load_rows(stage->keys, stage->dtype, row, count, dim, kbuf);
                 v = load_rows(stage->values, stage->dtype, row, count, dim, vbuf);
             } else {
-                k = load_source(keys, table[logical], kv_head, kv_heads, block_size, slot, count, dim, kbuf);
-                v = load_source(values, table[logical], kv_head, kv_heads, block_size, slot, count, dim, vbuf);
+                if (query_span) {
+                    for (int64_t g = 0; g < group; g++) best[g] = run_max[g];
+#if defined(__x86_64__) && defined(__GNUC__)
+                    int_key_scores(keys, &iq, q, scaling, table[logical] * kv_heads + kv_head, block_size, slot,
+                                   count, group, dim, score, chunk, best);
+#endif
+                } else {
+                    k = load_source(keys, table[logical], kv_head, kv_heads, block_size, slot, count, dim, kbuf);
+                }
+                if (!fused)
+                    v = load_source(values, table[logical], kv_head, kv_heads, block_size, slot, count, dim, vbuf);
             }
             for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * dim;
-                float block_max = block_scores(qg, k, count, dim, scaling, score, run_max[g]);
+                float *scores = score + g * chunk;
+                float block_max = k ? block_scores(q + g * dim, k, count, dim, scaling, scores, run_max[g]) : best[g];
                 float c = expf(run_max[g] - block_max), sum = run_sum[g] * c;
-                sum += exp_shifted(score, count, block_max);
-                weighted_rows(acc + g * dim, c, score, v, count, dim);
+                sum += exp_shifted(scores, count, block_max);
+                if (v)
+                    weighted_rows(acc + g * dim, c, scores, v, count, dim);
+                else
+                    rescale[g] = c;
                 run_max[g] = block_max;
                 run_sum[g] = sum;
             }
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (!v)
+                weighted_codes(acc, rescale, score, chunk, values,
+                               (table[logical] * kv_heads + kv_head) * block_size + slot, count, group, dim, chunk,
+                               value_scratch);
+#endif
             first += count;
         }
     }
@@ -883,13 +1370,32 @@ static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
     has_avx512 = flag && __builtin_cpu_supports("avx512f");
     has_avx2 = flag && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     has_f16c = flag && __builtin_cpu_supports("f16c");
+    has_int_scores = flag && int_scores_supported();
     return PyBool_FromLong(previous);
 #else
     return PyBool_FromLong(0);
 #endif
 }
 
+/* set_kv_scores(int8): encoded keys scored against int8-rounded queries (int_key_scores) or decoded to fp32 (the
+ * exact reference); returns the previous choice. Call between decodes, never during one. */
+static PyObject *py_set_kv_scores(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    const int previous = int_scores_on;
+    int_scores_on = flag;
+    return PyBool_FromLong(previous);
+}
+
+/* Whether int8 scores run here: the CPU has AVX-512 VNNI and VBMI and the SIMD paths are on. */
+static PyObject *py_int_scores_available(PyObject *self, PyObject *args) {
+    return PyBool_FromLong(has_int_scores);
+}
+
 static PyMethodDef methods[] = {
+    {"set_kv_scores", py_set_kv_scores, METH_VARARGS,
+     "set_kv_scores(int8) -> whether int8 query scores were chosen (encoded keys; where the CPU has VNNI + VBMI)"},
+    {"int_scores_available", py_int_scores_available, METH_NOARGS, "whether int8 query scores can run here"},
     {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512(flag) -> whether the SIMD (AVX-512, AVX2, F16C) paths were on"},
     {"decode", py_decode, METH_VARARGS,
      "decode(q, out, key_source, value_source, (stage_keys, stage_values, stage_dtype), tables, stage_tables, "
@@ -906,8 +1412,10 @@ PyMODINIT_FUNC PyInit__paged_kernel(void) {
     has_avx512 = __builtin_cpu_supports("avx512f"); /* decided once, before any threads */
     has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     has_f16c = __builtin_cpu_supports("f16c");
+    has_int_scores = int_scores_supported();
 #endif
     fill_fp8_tables();
+    fill_spread_index();
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
     static const PagedKernelAPI c_api = {dense_decode}; /* for other extensions: _paged_kernel.h */

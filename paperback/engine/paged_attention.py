@@ -19,10 +19,13 @@ in one call.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from paperback.errors import PaperbackError
 
 BlockReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """block ids (n,) -> keys, values (n, Hkv, block_size, D) in the compute dtype."""
@@ -183,6 +186,33 @@ try:  # built by setup.py when a C compiler is present; without it decode tokens
 except ImportError:
     _paged_kernel = None
 
+# How the decode kernel scores encoded keys (INT8/INT4/INT2 and KIVI keys): "fp32" (codes decoded to floats, then
+# fp32 dot products: the exact reference) or "int8" (each query rounded to int8 per span of channels and multiplied
+# with the codes by integer dot products, the codes' scale and minimum applied once per sum, as llama.cpp rounds Q to
+# its K type's blocks; where the CPU has AVX-512 VNNI and VBMI, else fp32). PAPERBACK_KV_SCORES sets it at import,
+# set_kv_scores() at run time; docs/kv-cache.md measures what int8 costs in KL and buys in speed.
+KV_SCORES = ("fp32", "int8")
+
+
+def set_kv_scores(mode: str) -> str:
+    """Choose how the decode kernel scores encoded keys ("fp32" or "int8"); returns the previous choice. Call between
+    decode steps, never during one."""
+    if mode not in KV_SCORES:
+        raise PaperbackError(f"KV scores must be one of {', '.join(KV_SCORES)}, got {mode!r}")
+    if _paged_kernel is None:
+        return "fp32"
+    return "int8" if _paged_kernel.set_kv_scores(mode == "int8") else "fp32"
+
+
+def kv_scores_in_effect() -> str:
+    """What scores encoded keys now: "int8" where chosen and the CPU runs it, else "fp32"."""
+    if _paged_kernel is None or not _paged_kernel.int_scores_available():
+        return "fp32"
+    chosen = _paged_kernel.set_kv_scores(False)
+    _paged_kernel.set_kv_scores(chosen)
+    return "int8" if chosen else "fp32"
+
+
 _KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _NATIVE, _FP8, _TOKEN_INT, _CHANNEL_INT = range(4)  # the kernel's kinds of source (kv_source in the C file)
 _FP8_KINDS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -190,6 +220,10 @@ _FP8_KINDS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 KernelSource = tuple
 """What the C kernel reads keys or values from: (kind, dtype, bits, group, data, scale, min, fp8 scale, per head),
 pointers as integers. Build it with `native_source` or `codec_source`; the tensors must outlive its use."""
+
+
+if _paged_kernel is not None:
+    set_kv_scores(os.environ.get("PAPERBACK_KV_SCORES", "fp32"))
 
 
 def decode_kernel_available(keys: torch.Tensor) -> bool:

@@ -312,3 +312,152 @@ def test_decode_kernel_splits_long_sequences_over_threads_as_one_softmax(threads
         scores = (q[i].view(kv_heads, 3, dim) @ k.transpose(1, 2)) * 0.125
         want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v
         assert torch.allclose(got[i], want.reshape(heads, dim), atol=2e-5), (n, window, sink)
+
+
+def _int8_query_scores(q, codec, fields, block, scaling):
+    """Scores of one KV head's queries q (group, D) against every slot of an encoded block, as the kernel's int8 path
+    computes them: q rounded to int8 per span of channels (half to even, the span's largest magnitude to 127), for
+    8-bit keys in two rounds (what the first leaves, rounded again), for KIVI keys after multiplying by the token
+    group's channel scales; the rounding error times the codes' midpoint taken out; the codes' minimums meet the
+    unrounded q."""
+    from paperback.kv.codecs import TokenIntCodec
+    from paperback.quantization.packing import unpack_codes
+
+    dim = q.shape[-1]
+    codes = unpack_codes(fields["codes"][block], codec.bits, dim).float()  # (bs, D)
+    scale, low = fields["scale"][block].float(), fields["min"][block].float()
+
+    def rounded(x, span):
+        spans, out = x.unflatten(-1, (-1, span)), 0
+        for _ in range(2 if codec.bits == 8 else 1):
+            largest = spans.abs().amax(-1, keepdim=True)
+            step = torch.round(spans * torch.where(largest > 0, 127 / largest, 0)) * (largest / 127)
+            out, spans = out + step, spans - step
+        return out.flatten(-2)
+
+    center = (2 ** codec.bits - 1) / 2  # the rounding error's known part, error x center, is taken out
+    if isinstance(codec, TokenIntCodec):
+        span = codec.group if codec.group in (16, 32) else 64
+        expand = lambda x: x.repeat_interleave(codec.group, -1)  # (bs, D / g) -> (bs, D)
+        q_rounded = rounded(q, span)
+        return (q_rounded @ (codes * expand(scale)).T - center * (q_rounded - q) @ expand(scale).T
+                + q @ expand(low).T) * scaling
+    token_group = codec.token_group
+    out = []
+    for t in range(codes.shape[0]):  # per token group its own channel scales
+        s, m = scale[t // token_group], low[t // token_group]
+        q_rounded = rounded(q * s, 32)
+        out.append(q_rounded @ codes[t] - center * (q_rounded - q * s).sum(-1) + q @ m)
+    return torch.stack(out, -1) * scaling
+
+
+@pytest.mark.parametrize("name, codec_args", [("int8", (8, 32)), ("int4", (4, 16)), ("int2", (2, 32)),
+                                              ("int8 g64", (8, 64)), ("int4 g128", (4, 128)), ("kivi2", (2, 32)),
+                                              ("kivi4", (4, 16)), ("kivi8", (8, 32))])
+@pytest.mark.parametrize("dim, heads, kv_heads", [(64, 9, 3), (256, 4, 1), (128, 8, 2)])
+@pytest.mark.parametrize("window, sink", [(None, 0), (70, 32)])
+def test_int8_query_scores_are_the_rounded_query_against_the_codes(name, codec_args, dim, heads, kv_heads, window,
+                                                                   sink):
+    """--kv-scores int8: encoded keys meet the query rounded to int8 by integer dot products, sixteen keys at a
+    time (runs cut short at a sequence's end, a window's edge and KIVI's token groups), with staged blocks still
+    read exact: what the same rounding does in PyTorch, to fp32 rounding; and near the fp32 path."""
+    from paperback.engine.paged_attention import ExactStaging, codec_source, paged_decode_attention, set_kv_scores
+    from paperback.engine.paged_attention import _paged_kernel as kernel
+    from paperback.kv.codecs import ChannelIntCodec, TokenIntCodec
+
+    if kernel is None or not kernel.int_scores_available():
+        pytest.skip("int8 KV scores need the kernel and a CPU with AVX-512 VNNI and VBMI")
+    codec = (ChannelIntCodec if name.startswith("kivi") else TokenIntCodec)(*codec_args)
+    if dim % getattr(codec, "group", 1):
+        pytest.skip("channel group wider than the head")
+    torch.manual_seed(dim + codec_args[0])
+    bs, num_blocks, scaling = 32, 16, dim ** -0.5
+    raw_k, raw_v = torch.randn(num_blocks, kv_heads, bs, dim) * 3, torch.randn(num_blocks, kv_heads, bs, dim)
+    raw_k[..., 5] += 10  # an outlier channel, as real keys have
+    key_fields = {n: t.contiguous() for n, t in codec.encode(raw_k).items()}
+    value_fields = {n: t.contiguous() for n, t in codec.encode(raw_v).items()}
+    values = codec.decode(value_fields, torch.float32)
+    stage_k, stage_v = torch.randn(3, kv_heads, bs, dim).half(), torch.randn(3, kv_heads, bs, dim).half()
+    lengths = [200, 77, 1, 33]
+    tables = torch.stack([torch.randperm(num_blocks)[:7] for _ in lengths])
+    stage_tables = torch.full((4, 7), -1)
+    stage_tables[0, 0], stage_tables[1, 2] = 2, 0
+    q = torch.randn(len(lengths), heads, dim)
+    call = lambda: paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields),
+                                          tables, torch.tensor(lengths), scaling, window, sink,
+                                          ExactStaging(stage_k, stage_v, stage_tables), num_kv_heads=kv_heads,
+                                          block_size=bs)
+    previous = set_kv_scores("fp32")
+    try:
+        exact = call()
+        set_kv_scores("int8")
+        got = call()
+    finally:
+        set_kv_scores(previous)
+    group = heads // kv_heads
+    for i, n in enumerate(lengths):
+        blocks = -(-n // bs)
+        for h in range(kv_heads):
+            qh = q[i, h * group:(h + 1) * group]
+            scores, v = [], []
+            for b, s in zip(tables[i, :blocks].tolist(), stage_tables[i, :blocks].tolist()):
+                if s >= 0:
+                    scores.append(qh @ stage_k[s, h].float().T * scaling)
+                    v.append(stage_v[s, h].float())
+                else:
+                    fields = {f: t[:, h] for f, t in key_fields.items()}
+                    scores.append(_int8_query_scores(qh, codec, fields, b, scaling))
+                    v.append(values[b, h])
+            scores, v = torch.cat(scores, -1)[:, :n], torch.cat(v)[:n]
+            if window:
+                pos = torch.arange(n)
+                scores = scores.masked_fill(~((pos > n - 1 - window) | (pos < sink)), float("-inf"))
+            want = torch.softmax(scores, -1) @ v
+            assert torch.allclose(got[i, h * group:(h + 1) * group], want, atol=1e-4), (name, i, h)
+    assert (got - exact).abs().max() < 0.15 * exact.abs().max()  # the rounding moves the output a little
+
+
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2"])
+def test_decode_kernel_reads_every_fp8_byte_exactly(variant, kernel_path):
+    """Every finite FP8 byte, subnormals and both zeros included, as the codec decodes it: values read one-hot (a
+    single key seen) come back as the byte's value times the scale."""
+    from paperback.engine.paged_attention import codec_source, paged_decode_attention
+    from paperback.kv.codecs import FP8Codec
+
+    codec = FP8Codec(variant, 0.75)
+    dtype = codec.dtype
+    finite = [b for b in range(256) if torch.isfinite(torch.tensor([b], dtype=torch.uint8).view(dtype).float())]
+    dim, bs = 16, 1
+    rows = torch.tensor(finite + finite[:(-len(finite)) % dim], dtype=torch.uint8).view(-1, 1, bs, dim)
+    blocks = rows.shape[0]
+    key_fields = {"codes": torch.zeros(blocks, 1, bs, dim, dtype=torch.uint8).view(dtype)}
+    value_fields = {"codes": rows.view(dtype).contiguous()}
+    q = torch.zeros(blocks, 1, dim)
+    got = paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields),
+                                 torch.arange(blocks).view(blocks, 1), torch.ones(blocks, dtype=torch.int64), 1.0,
+                                 num_kv_heads=1, block_size=bs)
+    want = codec.decode(value_fields, torch.float32).view(blocks, 1, dim)
+    assert torch.equal(got, want)
+
+
+def test_kv_scores_choice_is_checked_and_restorable():
+    """set_kv_scores takes fp32 or int8 (anything else is refused by name) and returns what was chosen before;
+    PAPERBACK_KV_SCORES is checked the same way at import."""
+    import subprocess
+    import sys
+
+    from paperback.engine.paged_attention import _paged_kernel, kv_scores_in_effect, set_kv_scores
+    from paperback.errors import PaperbackError
+
+    with pytest.raises(PaperbackError, match="KV scores must be one of fp32, int8"):
+        set_kv_scores("int4")
+    previous = set_kv_scores("int8")
+    try:
+        assert kv_scores_in_effect() == ("int8" if _paged_kernel and _paged_kernel.int_scores_available() else "fp32")
+        assert set_kv_scores("fp32") == ("int8" if _paged_kernel else "fp32")  # the kernel keeps the choice
+        assert kv_scores_in_effect() == "fp32"
+    finally:
+        set_kv_scores(previous)
+    bad = subprocess.run([sys.executable, "-c", "import paperback.engine.paged_attention"], capture_output=True,
+                         text=True, env={**__import__("os").environ, "PAPERBACK_KV_SCORES": "fast"})
+    assert bad.returncode != 0 and "KV scores must be one of fp32, int8, got 'fast'" in bad.stderr
