@@ -123,7 +123,7 @@ def attention_worker(args) -> dict:
                 sources = (codec_source(key_codec, key_fields), codec_source(value_codec, value_fields))
                 encoded = sum(t.nbytes for t in (*key_fields.values(), *value_fields.values()))
                 nbytes = encoded * (need - recent) // need + 2 * args.batch * recent * stage[0].nbytes
-                keep = [key_fields, value_fields, stage]
+                keep = [key_fields, value_fields, stage, key_codec, value_codec]  # FP8 sources point at the scale
             calls[kv] = (sources, staging, nbytes, keep)
         variants = _variants(args.kv, args.kv_scores)
         times = {variant: [] for variant in variants}
