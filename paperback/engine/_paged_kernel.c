@@ -624,9 +624,11 @@ __attribute__((target("avx2,fma"))) static void weighted_rows_avx2(float *a, flo
  * int8 per span of channels (as llama.cpp rounds Q to its K type's Q8 blocks), and each key's codes meet them
  * as they are: vpdpbusd multiplies four code bytes by four query bytes and sums them into an int32 lane. The
  * codes' scale and minimum are applied once per sum, not once per channel:
- *   per token and group g (INT8 / INT4, PN-free formats): q.k = sum_g s_g * sum_{d in g} q_d c_d + m_g * sum_{d in g} q_d
- *   per channel, for a group of tokens (KIVI's keys):      q.k = sum_d (q_d s_d) c_d + sum_d q_d m_d
- * so for KIVI the query is rounded after multiplying by the group's channel scales (once per token group).
+ *   per token and group g (INT8 / INT4 / INT2):        q.k = sum_g s_g * sum_{d in g} q_d c_d + m_g * sum_{d in g} q_d
+ *   per channel, for a group of tokens (KIVI's keys):  q.k = sum_d (q_d s_d) c_d + sum_d q_d m_d
+ * so for KIVI the query is rounded after multiplying by the group's channel scales (once per token group). The
+ * minimums meet the unrounded query; 8-bit keys take the query in two rounds (quantize_span); the rounding
+ * error's part that the codes' midpoint carries is taken out (int_query_tokens).
  *
  * Sixteen keys go through together with the keys in the lanes: their 64-channel segments (codes spread to one
  * byte each by vpermb and vpmultishiftqb, natural channel order) are transposed as a 16 x 16 matrix of 32-bit
@@ -638,7 +640,7 @@ __attribute__((target("avx2,fma"))) static void weighted_rows_avx2(float *a, flo
 #endif
 
 enum { MAX_QUERY_GROUP = 32 }; /* query heads per KV head the integer path takes (more: the fp32 path) */
-static int has_int_scores;     /* the CPU (and the SIMD switch) allow the integer path */
+static int has_int_scores;     /* the CPU (and the SIMD switch) allow the integer paths: scores and values */
 static int int_scores_on;      /* the caller chose it (set_kv_scores) */
 
 static int int_scores_supported(void) {
