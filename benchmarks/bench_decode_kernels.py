@@ -1,17 +1,19 @@
 """The packed kernel's decode paths against each other on a whole step's linears, by batch rows.
 
     .venv/bin/python benchmarks/bench_decode_kernels.py [--rows 1 2 4 8 16] [--threads 1 2] [--repeats 15]
+        [--paths amx avx512vnni avx512 avxvnni avx2] [--tag NAME]
 
 A step of SmolLM2's 30 decoder layers as `gemm_many` calls (q/k/v together,
 o, gate/up together, down; RTN W4 g128 and g32 of random weights: speed does
 not depend on the codes), 30 distinct layers so the weights come from memory
 as in a real step, not from cache. Each code path this CPU runs (amx,
-avx512vnni, avx512, avx2; `_qkernel.set_simd` caps the path) times a step at
+avx512vnni, avx512, avxvnni, avx2, or those --paths names; `_qkernel.set_simd`
+caps the path) times a step at
 each row count, activations and thread count; the median of --repeats steps.
 Shows where each path's kernels take over (the AMX panels from AMX_MIN_ROWS
 rows, the VNNI tiles below) and what batching buys: a row count's step time
 against one row's, and GB/s of weights read. Writes
-benchmarks/results/decode_kernels.json.
+benchmarks/results/decode_kernels[_<tag>].json.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_qkernel import best_time  # noqa: E402
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 # one layer's calls: the matrices that share an input go in one call
 CALLS = [[(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN)], [(HIDDEN, HIDDEN)], [(INTER, HIDDEN), (INTER, HIDDEN)],
          [(HIDDEN, INTER)]]
-PATHS = ("amx", "avx512vnni", "avx512", "avx2")
+PATHS = ("amx", "avx512vnni", "avx512", "avxvnni", "avx2")
 
 
 def step_layers(scheme: QuantScheme) -> list[list[QuantLinear]]:
@@ -71,12 +73,14 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="code paths to time")
+    add_tag_arg(parser)
     args = parser.parse_args()
     if _qkernel is None:
         raise SystemExit("the packed kernel is not built")
     warn_if_busy()
     best = _qkernel.set_simd("best")
-    paths = [p for p in PATHS if _qkernel.set_simd(p) == p]
+    paths = [p for p in args.paths if _qkernel.set_simd(p) == p]
     _qkernel.set_simd("best")
     results = []
     for scheme in (QuantScheme(4, 128), QuantScheme(4, 32)):
@@ -106,7 +110,7 @@ def main() -> int:
                 ["scheme", "acts", "threads", "path", "rows", "ms / step", "x 1 row's time", "weights GB/s"],
                 [[r["scheme"], r["activations"], str(r["threads"]), r["path"], str(r["rows"]), f"{r['ms']:.2f}",
                   f"{r['vs_one_row']:.2f}" if r["vs_one_row"] else "-", f"{r['weight_gb_s']:.1f}"] for r in results])
-    write_results("decode_kernels.json", {"best_path": best, "layers": LAYERS, "repeats": args.repeats,
+    write_results(results_name("decode_kernels", args.tag), {"best_path": best, "layers": LAYERS, "repeats": args.repeats,
                                           "results": results})
     return 0
 

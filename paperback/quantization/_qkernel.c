@@ -204,10 +204,11 @@ AVX2 static float dot_avx2(const float *a, const float *b, int64_t count) {
     return s;
 }
 
-/* Each level includes the ones below it: avx512vnni adds vpdpbusd for int8 activations, amx its tile
- * multiply (TDPBUSD) for a few rows at once. */
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVEL_AMX = 4, LEVELS = 5 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni", "amx"};
+/* Each level includes the ones below it: avxvnni adds the VEX-encoded vpdpbusd to the AVX2 int8 kernels (Alder
+ * Lake and later client CPUs without AVX-512), avx512vnni the 512-bit one for int8 activations, amx its tile
+ * multiply (TDPBUSD) for a few rows at once. avxvnni counts only where the CPU has it (set_simd). */
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVXVNNI = 2, LEVEL_AVX512 = 3, LEVEL_VNNI = 4, LEVEL_AMX = 5, LEVELS = 6 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avxvnni", "avx512", "avx512vnni", "amx"};
 
 #if defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
 #define PB_AMX 1
@@ -236,15 +237,15 @@ static int best_level(void) {
         return PORTABLE;
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl")))
-        return LEVEL_AVX2;
+        return __builtin_cpu_supports("avxvnni") ? LEVEL_AVXVNNI : LEVEL_AVX2;
     if (!__builtin_cpu_supports("avx512vnni")) return LEVEL_AVX512;
     static int amx = -1; /* asked once: the permission is the process's */
     if (amx < 0) amx = amx_usable();
     return amx ? LEVEL_AMX : LEVEL_VNNI;
 }
 #else
-enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VNNI = 3, LEVEL_AMX = 4, LEVELS = 5 };
-static const char *LEVEL_NAMES[] = {"portable", "avx2", "avx512", "avx512vnni", "amx"};
+enum { PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVXVNNI = 2, LEVEL_AVX512 = 3, LEVEL_VNNI = 4, LEVEL_AMX = 5, LEVELS = 6 };
+static const char *LEVEL_NAMES[] = {"portable", "avx2", "avxvnni", "avx512", "avx512vnni", "amx"};
 static int best_level(void) { return PORTABLE; }
 #endif
 
@@ -637,11 +638,25 @@ AVX2 static inline __m256i block_codes(const QMatrix *m, const uint8_t *packed, 
     return m->bits == 8 ? _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80)) : c;
 }
 
-/* sum of 32 products of a block, as 8 int32 lanes */
-AVX2 static inline __m256i block_products(int signed_codes, __m256i c, __m256i q) {
+/* acc + the sums of four products of unsigned bytes of a by signed bytes of b, in each int32 lane: AVX-VNNI's
+ * VEX-encoded vpdpbusd, written as assembly so that the AVX2 kernels need no other target to hold it (they run
+ * it only at LEVEL_AVXVNNI). */
+AVX2 static inline __attribute__((always_inline)) __m256i dpbusd_vex(__m256i acc, __m256i a, __m256i b) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    return acc;
+}
+
+/* sum of 32 products of a block, as 8 int32 lanes; with vnni one vpdpbusd for maddubs and madd (the same sums:
+ * maddubs never saturates on these operands) */
+AVX2 static inline __attribute__((always_inline)) __m256i block_products(int signed_codes, __m256i c, __m256i q,
+                                                                         const int vnni) {
     const __m256i ones = _mm256_set1_epi16(1);
-    if (signed_codes) /* |c| times q with c's sign: unsigned x signed, no saturation */
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c)), ones);
+    if (signed_codes) { /* |c| times q with c's sign: unsigned x signed, no saturation */
+        const __m256i magnitude = _mm256_sign_epi8(c, c), signed_q = _mm256_sign_epi8(q, c);
+        if (vnni) return dpbusd_vex(_mm256_setzero_si256(), magnitude, signed_q);
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_q), ones);
+    }
+    if (vnni) return dpbusd_vex(_mm256_setzero_si256(), c, q);
     return _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones);
 }
 
@@ -656,7 +671,7 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const Q
                                                                          const uint8_t *codes, const float *scale,
                                                                          const float *zero, const Int8Acts *a,
                                                                          int64_t first, int mb, float *sz,
-                                                                         float *out) {
+                                                                         float *out, const int vnni) {
     const int64_t blocks = m->k / QBLOCK, per_group = m->group_size / QBLOCK;
     const int signed_codes = m->bits == 8;
     __m256 total[8], total2 = _mm256_setzero_ps();
@@ -670,9 +685,9 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const Q
             const float *d = a->d + first * blocks;
             for (; b + 2 <= b1; b += 2) {
                 const __m256i p0 = block_products(signed_codes, block_codes(m, packed, codes, b),
-                                                  _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)));
+                                                  _mm256_loadu_si256((const __m256i *)(q + b * QBLOCK)), vnni);
                 const __m256i p1 = block_products(signed_codes, block_codes(m, packed, codes, b + 1),
-                                                  _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QBLOCK)));
+                                                  _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QBLOCK)), vnni);
                 total[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(s, _mm256_broadcast_ss(d + b)),
                                            total[0]);
                 total2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(s, _mm256_broadcast_ss(d + b + 1)),
@@ -684,7 +699,8 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const Q
             for (int j = 0; j < mb; j++) {
                 const int64_t r = first + j;
                 const __m256i p = block_products(signed_codes, c,
-                                                 _mm256_loadu_si256((const __m256i *)(a->q + r * m->k + b * QBLOCK)));
+                                                 _mm256_loadu_si256((const __m256i *)(a->q + r * m->k + b * QBLOCK)),
+                                                 vnni);
                 total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
                                            _mm256_mul_ps(s, _mm256_broadcast_ss(a->d + r * blocks + b)), total[j]);
             }
@@ -699,8 +715,14 @@ AVX2 static inline __attribute__((always_inline)) void row_dot_int8_avx2(const Q
 AVX2 static void row_times_int8_avx2(const QMatrix *m, const uint8_t *packed, const uint8_t *codes,
                                      const float *scale, const float *zero, const Int8Acts *a, int64_t first, int mb,
                                      float *sz, float *out) {
-#define ROWS_CALL(n) row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, n, sz, out)
-    BY_ROW_COUNT(mb, ROWS_CALL);
+#define ROWS_CALL(n) row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, n, sz, out, 0)
+#define ROWS_CALL_VNNI(n) row_dot_int8_avx2(m, packed, codes, scale, zero, a, first, n, sz, out, 1)
+    if (simd_level == LEVEL_AVXVNNI) {
+        BY_ROW_COUNT(mb, ROWS_CALL_VNNI);
+    } else {
+        BY_ROW_COUNT(mb, ROWS_CALL);
+    }
+#undef ROWS_CALL_VNNI
 #undef ROWS_CALL
 }
 #endif
@@ -757,14 +779,18 @@ AVX2 static inline void pair_codes_avx2(const QMatrix *m, const uint8_t *row, in
     }
 }
 
-/* A pair's products with one activation row q, as eight int32 lanes (the second block's: PAIR*_SECOND). */
-AVX2 static inline __m256i pair_dot_avx2(const QMatrix *m, __m256i c0, __m256i c1, const int8_t *q, int64_t p) {
+/* A pair's products with one activation row q, as eight int32 lanes (the second block's: PAIR*_SECOND); with
+ * vnni two vpdpbusd for a 4-bit pair's two maddubs, add and madd (the same sums). */
+AVX2 static inline __attribute__((always_inline)) __m256i pair_dot_avx2(const QMatrix *m, __m256i c0, __m256i c1,
+                                                                        const int8_t *q, int64_t p, const int vnni) {
     const __m256i q0 = _mm256_loadu_si256((const __m256i *)(q + 2 * p * QBLOCK));
     const __m256i q1 = _mm256_loadu_si256((const __m256i *)(q + 2 * p * QBLOCK + QBLOCK));
-    if (m->bits == 4)
+    if (m->bits == 4) {
+        if (vnni) return dpbusd_vex(dpbusd_vex(_mm256_setzero_si256(), c0, q0), c1, q1);
         return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c0, q0), _mm256_maddubs_epi16(c1, q1)),
                                  _mm256_set1_epi16(1));
-    return _mm256_hadd_epi32(block_products(1, c0, q0), block_products(1, c1, q1));
+    }
+    return _mm256_hadd_epi32(block_products(1, c0, q0, vnni), block_products(1, c1, q1, vnni));
 }
 
 /* Two per-block values spread over a pair's lanes. */
@@ -810,7 +836,7 @@ AVX2 static float zero_term_avx2(const QMatrix *m, int64_t r, const float *sums)
  * pair's two groups' scales spread over its halves where it straddles two (g32, Q4_1's layout). */
 AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const QMatrix *m, int64_t r0, const int NR,
                                                                            const Int8Acts *a, int64_t j0, const int R,
-                                                                           float *y) {
+                                                                           float *y, const int vnni) {
     const int64_t blocks = m->k / QBLOCK, pairs = blocks / 2, per_group = m->group_size / QBLOCK;
     const int grouped = R == 1 && per_group % 2 == 0;
     const uint8_t *rows[QUAD];
@@ -834,7 +860,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const
             for (int i = 0; i < NR; i++) {
                 __m256i c0, c1;
                 pair_codes_avx2(m, rows[i], p, &c0, &c1);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[0], p)), dv[0], acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[0], p, vnni)), dv[0], acc[i]);
             }
             left -= 2;
             if (left == 0 || p == pairs - 1) {
@@ -849,7 +875,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const
                 pair_codes_avx2(m, rows[i], p, &c0, &c1);
                 const __m256 s = pair_spread_avx2(m, _cvtsh_ss(scales[i][g0]), _cvtsh_ss(scales[i][g1]));
                 for (int j = 0; j < R; j++)
-                    total[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[j], p)),
+                    total[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot_avx2(m, c0, c1, q[j], p, vnni)),
                                                   _mm256_mul_ps(s, dv[j]), total[i][j]);
             }
             left -= 2;
@@ -863,7 +889,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const
             const float s = _cvtsh_ss(scales[i][g]);
             for (int j = 0; j < R; j++) {
                 const __m256i prod = block_products(m->bits == 8, c,
-                                                    _mm256_loadu_si256((const __m256i *)(q[j] + b * QBLOCK)));
+                                                    _mm256_loadu_si256((const __m256i *)(q[j] + b * QBLOCK)), vnni);
                 total[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(s * d[j][b]), total[i][j]);
             }
         }
@@ -875,9 +901,15 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8_avx2_body(const
                                           (m->bias ? m->bias[r0 + i] : 0.0f);
 }
 
-/* Weight rows [r0, r0 + nr) (nr <= 4) for every row of int8 activations, two activation rows at a time. */
+/* Weight rows [r0, r0 + nr) (nr <= 4) for every row of int8 activations, two activation rows at a time; with
+ * AVX-VNNI where the level allows. */
 AVX2 static void tile_int8_avx2(const QMatrix *m, int64_t r0, int nr, const Int8Acts *a, int64_t rows, float *y) {
-#define TILE_CALL(NR, R) tile_int8_avx2_body(m, r0, NR, a, j0, R, y)
+    const int vnni = simd_level == LEVEL_AVXVNNI;
+#define TILE_CALL(NR, R)                                                                                           \
+    if (vnni)                                                                                                      \
+        tile_int8_avx2_body(m, r0, NR, a, j0, R, y, 1);                                                            \
+    else                                                                                                           \
+        tile_int8_avx2_body(m, r0, NR, a, j0, R, y, 0)
 #define BY_WEIGHT_ROWS(R)                                                                                          \
     switch (nr) {                                                                                                  \
     case 1: TILE_CALL(1, R); break;                                                                                \
@@ -1810,11 +1842,15 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
         if (strcmp(name, LEVEL_NAMES[i]) == 0) wanted = i;
     if (strcmp(name, "best") == 0) wanted = LEVELS - 1;
     if (wanted < 0) {
-        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avx512, avx512vnni, amx, best)", name);
+        PyErr_Format(PyExc_ValueError, "unknown SIMD level '%s' (portable, avx2, avxvnni, avx512, avx512vnni, amx, best)",
+                     name);
         return NULL;
     }
     int best = best_level();
     simd_level = wanted < best ? wanted : best;
+#ifdef PB_X86
+    if (simd_level == LEVEL_AVXVNNI && !__builtin_cpu_supports("avxvnni")) simd_level = LEVEL_AVX2; /* AVX-512 alone */
+#endif
     return PyUnicode_FromString(LEVEL_NAMES[simd_level]);
 }
 
@@ -1831,7 +1867,8 @@ static PyMethodDef methods[] = {
      "dequantize(out, qweight, scales, qzeros, n, k, bits, group_size, threads): fp32 (n, k) weight"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(level) -> the code path now in use: the narrower of `level` and what the CPU runs"},
-    {"simd", py_simd, METH_NOARGS, "the code path in use: 'amx', 'avx512vnni', 'avx512', 'avx2' or 'portable'"},
+    {"simd", py_simd, METH_NOARGS,
+     "the code path in use: 'amx', 'avx512vnni', 'avx512', 'avxvnni', 'avx2' or 'portable'"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,7 +43,7 @@ _scratch = threading.local()
 # PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
 enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
 
-# PAPERBACK_SIMD caps the kernel's code path (amx, avx512vnni, avx512, avx2, portable; default: the widest this
+# PAPERBACK_SIMD caps the kernel's code path (amx, avx512vnni, avx512, avxvnni, avx2, portable; default: the widest this
 # CPU runs), to measure one path against another or to step around one.
 if _qkernel is not None and os.environ.get("PAPERBACK_SIMD"):
     try:
@@ -110,7 +110,7 @@ def kernel_available() -> bool:
 
 
 def kernel_simd() -> str:
-    """'amx', 'avx512vnni', 'avx512', 'avx2', 'portable', or 'unavailable'."""
+    """'amx', 'avx512vnni', 'avx512', 'avxvnni', 'avx2', 'portable', or 'unavailable'."""
     return _qkernel.simd() if _qkernel is not None else "unavailable"
 
 

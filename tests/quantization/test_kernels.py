@@ -20,7 +20,7 @@ def make_layer(scheme, out_features, in_features, bias=True, seed=0):
     return QuantLinear.from_quantized(quantize_rtn(w, scheme), torch.randn(out_features) if bias else None)
 
 
-@pytest.fixture(params=["amx", "avx512vnni", "avx512", "avx2", "portable"])
+@pytest.fixture(params=["amx", "avx512vnni", "avx512", "avxvnni", "avx2", "portable"])
 def simd(request):
     """Each code path the CPU runs, forced in turn."""
     if kernels._qkernel.set_simd(request.param) != request.param:
