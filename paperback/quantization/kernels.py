@@ -32,6 +32,12 @@ except ImportError as exc:  # built without a C compiler: reference path only
 # dequantization (benchmarks/bench_qkernel.py measures the crossover).
 GEMV_MAX_ROWS = 16
 
+# Decode steps of more rows than GEMV_MAX_ROWS (a batch of many sequences) still take the packed kernel with int8
+# activations, sixteen rows a call, up to this many rows by code path: each call's AMX panels (or VNNI tiles) beat
+# dequantizing the whole matrix for one GEMM there (benchmarks/bench_int8_chunked.py: a step's linears at 17-64 rows
+# 1.4-3.0x faster with AMX, level at 96; with VNNI alone 1.2-2.1x to 32). Other paths dequantize above GEMV_MAX_ROWS.
+INT8_CHUNKED_MAX_ROWS = {"amx": 96, "avx512vnni": 32}
+
 # Prefill dequantizes this many bytes of fp32 weight rows at a time into a
 # reused buffer: it stays in cache and costs no page faults per call.
 DEQUANT_TILE_BYTES = 4 << 20
@@ -234,6 +240,20 @@ def _gemv(layers, x2: torch.Tensor) -> list[torch.Tensor]:
     return outputs
 
 
+def _int8_chunked(rows: int, layer) -> bool:
+    """Whether `rows` rows above GEMV_MAX_ROWS still take the kernel, sixteen at a time (INT8_CHUNKED_MAX_ROWS)."""
+    return (GEMV_MAX_ROWS < rows <= INT8_CHUNKED_MAX_ROWS.get(kernel_simd(), 0) and decode_activations == "int8"
+            and _qkernel.int8_eligible(layer.in_features, layer.scheme.group_size or layer.in_features))
+
+
+def _gemv_rows(layers, x2: torch.Tensor) -> list[torch.Tensor]:
+    """_gemv over x2's rows GEMV_MAX_ROWS at a time (one call where they fit)."""
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        return _gemv(layers, x2)
+    parts = [_gemv(layers, x2[first:first + GEMV_MAX_ROWS]) for first in range(0, x2.shape[0], GEMV_MAX_ROWS)]
+    return [torch.cat(outputs) for outputs in zip(*parts)]
+
+
 def _like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (y if y.dtype == x.dtype else y.to(x.dtype)).view(*x.shape[:-1], y.shape[1])
 
@@ -245,11 +265,11 @@ def packed_linear(layer, x: torch.Tensor) -> torch.Tensor:
             _warn_once()
         return reference_linear(layer, x)
     x2 = _fp32_rows(x, layer.in_features)
-    if x2.shape[0] > GEMV_MAX_ROWS:
+    if x2.shape[0] > GEMV_MAX_ROWS and not _int8_chunked(x2.shape[0], layer):
         _check_buffers(layer)
         y = _dequantize_matmul(layer, x2, _fp32_bias(layer))
     else:
-        (y,) = _gemv([layer], x2)
+        (y,) = _gemv_rows([layer], x2)
     return _like_input(y, x)
 
 
@@ -262,11 +282,12 @@ def packed_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     """
     first = layers[0]
     rows = x.numel() // first.in_features
-    shareable = (x.device.type == "cpu" and kernel_available() and rows <= GEMV_MAX_ROWS
+    shareable = (x.device.type == "cpu" and kernel_available()
+                 and (rows <= GEMV_MAX_ROWS or _int8_chunked(rows, first))
                  and all(layer.in_features == first.in_features and layer.scheme == first.scheme for layer in layers))
     if not shareable:
         return [layer(x) for layer in layers]
-    return [_like_input(y, x) for y in _gemv(layers, _fp32_rows(x, first.in_features))]
+    return [_like_input(y, x) for y in _gemv_rows(layers, _fp32_rows(x, first.in_features))]
 
 
 def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,22 @@ def test_int8_decode_is_exact_on_the_rounded_activations(scheme, rows, simd, int
         assert 1e-4 < max_rel_error(got, layer.reference_forward(x)) < 3e-2
 
 
+@pytest.mark.parametrize("rows", [17, 40, 96, 97])
+def test_int8_decode_of_many_rows_takes_the_kernel_sixteen_rows_at_a_time(rows, simd, int8_decode):
+    """A batch of more sequences than one call's sixteen rows: where the path's AMX panels or VNNI tiles beat
+    dequantizing (INT8_CHUNKED_MAX_ROWS), the kernel takes them sixteen at a time, exact on the rounded
+    activations, alone or sharing the input (q, k, v); past that limit, the fp32 dequantized GEMM, exact on x."""
+    first, second = make_layer(QuantScheme(4, 128), 48, 576), make_layer(QuantScheme(4, 128), 24, 576, seed=1)
+    x = torch.randn(rows, 576) * torch.linspace(0.1, 4, 576)
+    chunked = rows <= kernels.INT8_CHUNKED_MAX_ROWS.get(simd, kernels.GEMV_MAX_ROWS)
+    for layer, got in zip((first, second), kernels.packed_linears([first, second], x)):
+        assert torch.equal(got, layer(x))
+        want = layer.reference_forward(rounded_to_int8_blocks(x) if chunked else x)
+        assert max_rel_error(got, want) < 2e-6, (simd, rows)
+        if chunked:
+            assert torch.equal(got[16:32], layer(x[16:32]))  # the same rows alone in one call
+
+
 def test_int8_decode_leaves_shapes_off_the_32_grid_on_the_float_path(int8_decode):
     for scheme, in_features in [(QuantScheme(4, 64), 584), (QuantScheme(4, 100), 600), (QuantScheme(3, 7), 45)]:
         layer = make_layer(scheme, 16, in_features)
