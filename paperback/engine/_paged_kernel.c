@@ -1389,6 +1389,9 @@ static PyObject *py_set_kv_scores(PyObject *self, PyObject *args) {
     return PyBool_FromLong(previous);
 }
 
+/* Whether int8 scores are chosen (they run where int_scores_available also holds). */
+static PyObject *py_kv_scores_chosen(PyObject *self, PyObject *args) { return PyBool_FromLong(int_scores_on); }
+
 /* Whether int8 scores run here: the CPU has AVX-512 VNNI and VBMI and the SIMD paths are on. */
 static PyObject *py_int_scores_available(PyObject *self, PyObject *args) {
     return PyBool_FromLong(has_int_scores);
@@ -1398,6 +1401,7 @@ static PyMethodDef methods[] = {
     {"set_kv_scores", py_set_kv_scores, METH_VARARGS,
      "set_kv_scores(int8) -> whether int8 query scores were chosen (encoded keys; where the CPU has VNNI + VBMI)"},
     {"int_scores_available", py_int_scores_available, METH_NOARGS, "whether int8 query scores can run here"},
+    {"kv_scores_chosen", py_kv_scores_chosen, METH_NOARGS, "whether int8 query scores are chosen"},
     {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512(flag) -> whether the SIMD (AVX-512, AVX2, F16C) paths were on"},
     {"decode", py_decode, METH_VARARGS,
      "decode(q, out, key_source, value_source, (stage_keys, stage_values, stage_dtype), tables, stage_tables, "

@@ -208,9 +208,7 @@ def kv_scores_in_effect() -> str:
     """What scores encoded keys now: "int8" where chosen and the CPU runs it, else "fp32"."""
     if _paged_kernel is None or not _paged_kernel.int_scores_available():
         return "fp32"
-    chosen = _paged_kernel.set_kv_scores(False)
-    _paged_kernel.set_kv_scores(chosen)
-    return "int8" if chosen else "fp32"
+    return "int8" if _paged_kernel.kv_scores_chosen() else "fp32"
 
 
 _KERNEL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
