@@ -110,8 +110,8 @@ def main() -> int:
                 ["scheme", "acts", "threads", "path", "rows", "ms / step", "x 1 row's time", "weights GB/s"],
                 [[r["scheme"], r["activations"], str(r["threads"]), r["path"], str(r["rows"]), f"{r['ms']:.2f}",
                   f"{r['vs_one_row']:.2f}" if r["vs_one_row"] else "-", f"{r['weight_gb_s']:.1f}"] for r in results])
-    write_results(results_name("decode_kernels", args.tag), {"best_path": best, "layers": LAYERS, "repeats": args.repeats,
-                                          "results": results})
+    write_results(results_name("decode_kernels", args.tag),
+                  {"best_path": best, "layers": LAYERS, "repeats": args.repeats, "results": results})
     return 0
 
 

@@ -35,10 +35,9 @@ def worker(args) -> dict:
 
     from paperback.engine.llm import LLMEngine
     from paperback.evaluation import load_text
+    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
-
-    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
 
     torch.set_num_threads(args.threads)
     set_kv_scores(args.kv_scores[0])
@@ -61,9 +60,9 @@ def worker(args) -> dict:
             decode_seconds += elapsed
             decode_tokens += added
             steps += 1
-    return {"kv": args.kv, "path": args.path, "scores": kv_scores_in_effect() if _integer_keys(args.kv) and args.path == "kernel" else "fp32",
-            "context": args.context, "batch": args.batch, "decode_steps": steps,
-            "decode_tokens_per_s": decode_tokens / decode_seconds, "ms_per_step": 1e3 * decode_seconds / steps,
+    scores = kv_scores_in_effect() if _integer_keys(args.kv) and args.path == "kernel" else "fp32"
+    return {"kv": args.kv, "path": args.path, "scores": scores, "context": args.context, "batch": args.batch,
+            "decode_steps": steps, "decode_tokens_per_s": decode_tokens / decode_seconds, "ms_per_step": 1e3 * decode_seconds / steps,
             "pool_bytes": engine.pool.nbytes}
 
 

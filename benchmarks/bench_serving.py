@@ -73,7 +73,8 @@ def summary(tool: str, work, seconds: float, ttfts: list[float], utilization: fl
 
 
 class LinearTimer:
-    """Seconds spent inside torch.nn.functional.linear (every nn.Linear and tied head of both tools) while active.
+    """Seconds spent inside torch.nn.functional.linear (every nn.Linear and tied head of both tools) while active;
+    the packed kernel's own calls (paperback's W4 decode rows) are not in it.
 
     The linears are the same PyTorch GEMMs in both tools, so their time bounds what scheduling can win.
     """
@@ -379,7 +380,7 @@ def print_tables(report: dict, model: str) -> None:
         print_table(f"{model}: {t['rows'][0]['requests']} requests, KV budget {report['kv_memory_mib']} MiB "
                     f"({t['budget_tokens']} fp32 token states)",
                     ["tool", "req/s", "output tok/s", "TTFT p50 s", "TTFT p99 s", "KV in use holding tokens",
-                     "positions run", "positions/s", "s in linears"],
+                     "positions run", "positions/s", "s in torch's linear"],
                     [[r["tool"], f"{r['requests_per_s']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                       f"{r['ttft_p50_s']:.1f}", f"{r['ttft_p99_s']:.1f}", f"{100 * r['kv_utilization']:.1f}%",
                       r.get("positions_computed", ""),

@@ -198,8 +198,8 @@ __attribute__((target("avx512f,f16c"))) static void int_rows_avx512(const kv_sou
 
 /* n FP8 bytes (n % 16 == 0) times scale. A normal byte's exponent and mantissa are moved into fp32's fields and
  * its exponent rebased by an integer add; a subnormal byte (exponent 0) is its mantissa times 2^-9 (e4m3) or
- * 2^-16 (e5m2), converted as an integer: both exact, and no subnormal fp32 ever meets the multiplier (each such
- * operand cost a microcode assist, which made FP8 blocks the slowest format to read). The sign is put back last.
+ * 2^-16 (e5m2), converted as an integer: both exact, and no subnormal fp32 ever meets the multiplier (which can
+ * cost a microcode assist per operand). The sign is put back last.
  * Encoding saturates, so the NaN byte (e4m3's S.1111.111, e5m2's infinities and NaNs) never occurs in a cache;
  * the scalar table handles them. */
 __attribute__((target("avx512f"))) static void fp8_rows_avx512(const uint8_t *codes, int e5m2, int64_t n, float scale,
@@ -207,7 +207,8 @@ __attribute__((target("avx512f"))) static void fp8_rows_avx512(const uint8_t *co
     const __m512 multiplier = _mm512_set1_ps(scale);
     const __m512 subnormal_step = _mm512_set1_ps(scale * (e5m2 ? 0x1p-16f : 0x1p-9f));
     const __m512i rebase = _mm512_set1_epi32((e5m2 ? 112 : 120) << 23);
-    const __m512i exponent_bits = _mm512_set1_epi32(e5m2 ? 0x7c : 0x78), mantissa_bits = _mm512_set1_epi32(e5m2 ? 3 : 7);
+    const __m512i exponent_bits = _mm512_set1_epi32(e5m2 ? 0x7c : 0x78);
+    const __m512i mantissa_bits = _mm512_set1_epi32(e5m2 ? 3 : 7);
     const int shift = e5m2 ? 21 : 20;
     for (int64_t i = 0; i < n; i += 16) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
@@ -669,7 +670,7 @@ typedef struct {
     int8_t *codes, *rest;     /* (group, dim), natural channel order: q ~ codes x scale + rest x rest_scale */
     float *scale, *rest_scale; /* (group, spans): the span's steps times the attention scaling */
     float *sum;               /* (group, spans): per-token keys: scaling x the span's sum of q (fp32) */
-    float *shift;             /* (group, spans): per-token keys: the rounding's correction, in code steps */
+    float *shift;             /* (group, spans): per-token keys: the rounding's known part, taken out (x key scale) */
     float *offset;            /* (group): per-channel keys: scaling x sum_d q_d m_d for the current token group */
     int64_t span, spans;
     int rounds;               /* of int8 codes: 2 for 8-bit keys, whose own rounding is fine enough to show one's */
@@ -784,25 +785,23 @@ static void fill_spread_index(void) {
     }
 }
 
+/* One row's 64-channel segment of codes (at: its first packed byte) as one byte per channel, natural order. */
+INTQ static inline __attribute__((always_inline)) __m512i segment_bytes(const uint8_t *at, int bits) {
+    if (bits == 8) return _mm512_loadu_si512(at);
+    const __m512i packed = bits == 4 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at))
+                                     : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)at));
+    const __m512i control = _mm512_set1_epi64(bits == 4 ? 0x1c1814100c080400LL : 0x0e0c0a0806040200LL);
+    return _mm512_and_si512(
+        _mm512_multishift_epi64_epi8(control, _mm512_permutexvar_epi8(_mm512_loadu_si512(spread_index[bits == 4]),
+                                                                      packed)),
+        _mm512_set1_epi8(bits == 4 ? 0x0f : 0x03));
+}
+
 /* Keys k < live of a run: their 64-channel segment `seg` as one code byte per channel (keys from live on: 0). */
 INTQ static inline __attribute__((always_inline)) void load_segment(const uint8_t *rows, int64_t row_bytes, int bits,
                                                                     int64_t seg, int64_t live, __m512i r[16]) {
-    const __m512i index = _mm512_loadu_si512(spread_index[bits == 4]);
-    const __m512i control = _mm512_set1_epi64(bits == 4 ? 0x1c1814100c080400LL : 0x0e0c0a0806040200LL);
-    const __m512i mask = _mm512_set1_epi8(bits == 4 ? 0x0f : 0x03);
-    for (int k = 0; k < 16; k++) {
-        const uint8_t *at = rows + k * row_bytes + seg * 8 * bits;
-        if (k >= live)
-            r[k] = _mm512_setzero_si512();
-        else if (bits == 8)
-            r[k] = _mm512_loadu_si512(at);
-        else {
-            const __m512i packed = bits == 4 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at))
-                                             : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)at));
-            r[k] = _mm512_and_si512(_mm512_multishift_epi64_epi8(control, _mm512_permutexvar_epi8(index, packed)),
-                                    mask);
-        }
-    }
+    for (int k = 0; k < 16; k++)
+        r[k] = k < live ? segment_bytes(rows + k * row_bytes + seg * 8 * bits, bits) : _mm512_setzero_si512();
 }
 
 /* t[w] lane k = r[k] lane w: 32-bit pairs, then 64-bit, then 128-bit blocks twice. */
@@ -955,7 +954,6 @@ INTQ static void int_key_scores(const kv_source *src, int_query *iq, const float
 }
 #endif
 
-
 /* ---- values from integer codes, weighted in place (per-token formats: INT8 / INT4 / INT2, KIVI's values) ----
  *
  * out_h += sum_t p_ht v_t with v_t = code_t x s_tg + m_tg over channel groups g: the scale folds into the
@@ -979,17 +977,12 @@ static int64_t weighted_codes_floats(int64_t group, int64_t dim, int64_t chunk) 
 #if defined(__x86_64__) && defined(__GNUC__)
 /* One row's 64-channel segment of codes as four vectors of floats, natural channel order. */
 INTQ static inline __attribute__((always_inline)) void segment_floats(const uint8_t *at, int bits, __m512 x[4]) {
-    if (bits == 8) {
+    if (bits == 8) { /* straight from memory: a widening load a vector */
         for (int v = 0; v < 4; v++)
             x[v] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(at + 16 * v))));
         return;
     }
-    const __m512i packed = bits == 4 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at))
-                                     : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)at));
-    const __m512i bytes = _mm512_and_si512(
-        _mm512_multishift_epi64_epi8(_mm512_set1_epi64(bits == 4 ? 0x1c1814100c080400LL : 0x0e0c0a0806040200LL),
-                                     _mm512_permutexvar_epi8(_mm512_loadu_si512(spread_index[bits == 4]), packed)),
-        _mm512_set1_epi8(bits == 4 ? 0x0f : 0x03));
+    const __m512i bytes = segment_bytes(at, bits);
     x[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(bytes)));
     x[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 1)));
     x[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(bytes, 2)));
@@ -1030,7 +1023,8 @@ INTQ static void weighted_codes(float *acc, const float *c, const float *p, int6
     float *weight = scratch, *mins = weight + heads * groups * chunk; /* weight[(h, g), t]; mins[h, g] */
     for (int64_t h = 0; h < heads; h++)
         for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(acc + h * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + d), _mm512_set1_ps(c[h])));
+            _mm512_storeu_ps(acc + h * dim + d,
+                             _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + d), _mm512_set1_ps(c[h])));
     for (int64_t g = 0; g < groups; g++) { /* sixteen tokens at a time: weights p s and the sums of p m */
         __m512 low[MAX_QUERY_GROUP];
         for (int64_t h = 0; h < heads; h++) low[h] = _mm512_setzero_ps();
@@ -1048,15 +1042,18 @@ INTQ static void weighted_codes(float *acc, const float *c, const float *p, int6
         for (int64_t h = 0; h < heads; h++) mins[h * groups + g] = _mm512_reduce_add_ps(low[h]);
     }
     const uint8_t *rows = (const uint8_t *)src->data + first_row * row_bytes;
+#define SEGMENT_CALL(NH) weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, \
+                                         seg, h0, NH)
     for (int64_t seg = 0; seg < dim / 64; seg++)
         for (int64_t h0 = 0; h0 < heads; h0 += 4) {
             switch (heads - h0 < 4 ? heads - h0 : 4) {
-            case 1: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 1); break;
-            case 2: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 2); break;
-            case 3: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 3); break;
-            default: weighted_segment(acc, weight, rows, row_bytes, bits, count, dim, groups, src->group, chunk, seg, h0, 4);
+            case 1: SEGMENT_CALL(1); break;
+            case 2: SEGMENT_CALL(2); break;
+            case 3: SEGMENT_CALL(3); break;
+            default: SEGMENT_CALL(4);
             }
         }
+#undef SEGMENT_CALL
     for (int64_t h = 0; h < heads; h++)
         for (int64_t d = 0; d < dim; d += 16)
             _mm512_storeu_ps(acc + h * dim + d, _mm512_add_ps(_mm512_loadu_ps(acc + h * dim + d),
