@@ -71,6 +71,47 @@ def tiny_hf(model_type: str):
     raise ValueError(model_type)
 
 
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
+
+
+def tiny_moe_hf(kind: str):
+    """A small random transformers MoE model of each routing style, with routers strong enough that no two
+    experts' scores nearly tie (a near tie would let rounding order pick a different expert)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = {**SMALL, "intermediate_size": 80}
+    if kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=6, num_experts_per_tok=2,
+                                                       tie_word_embeddings=False))
+    elif kind == "qwen2_moe":  # a gated shared expert, top-k not renormalised, layer 1 dense
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **small, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1]))
+    elif kind == "qwen3_moe":  # q/k norm, renormalised top-k
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **small, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True))
+    elif kind == "dots1":  # DeepSeek-V3 routing: sigmoid, bias, 2 of 4 groups, scaled; shared experts; layer 0 dense
+        model = tf.Dots1ForCausalLM(tf.Dots1Config(
+            **small, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    return model.eval()
+
+
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's q/k row permutation (convert_hf_to_gguf), for writing GGUF like it does."""
     return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
@@ -128,6 +169,97 @@ def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str =
             else:
                 writer.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
+            writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# transformers MoE model type -> (GGUF architecture, whether llama.cpp permutes q/k rows)
+MOE_GGUF_ARCHS = {"mixtral": ("llama", True), "qwen2_moe": ("qwen2moe", False), "qwen3_moe": ("qwen3moe", False),
+                  "dots1": ("dots1", False)}
+_HF_TO_GGUF_MOE = {"mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+                   "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+                   "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+                   "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                   "self_attn.v_proj.bias": "attn_v.bias"}
+
+
+def write_moe_gguf(hf_model, path: Path, drop: tuple[str, ...] = (), metadata: dict | None = None) -> Path:
+    """Write a transformers MoE model (see tiny_moe_hf) as llama.cpp's converter does: experts stacked in one
+    (experts, out, in) tensor per projection, routing in `expert_*` metadata. `drop` leaves out GGUF tensors,
+    `metadata` overrides {key without the arch prefix: value}."""
+    import gguf
+
+    from paperback.loading.hf_dir import HFModelDir
+    from paperback.loading.weight_names import HF_MOE_RENAMES, renamed
+
+    cfg = hf_model.config
+    arch, permute = MOE_GGUF_ARCHS[cfg.model_type]
+    moe = HFModelDir.__new__(HFModelDir)  # only for the config translation
+    moe.hf_config = cfg.to_dict()
+    moe.path = path.parent
+    routing = moe.config().moe
+    writer = gguf.GGUFWriter(str(path), arch)
+    fields = {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+              "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_attention_heads,
+              "attention.head_count_kv": cfg.num_key_value_heads,
+              "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+              "context_length": cfg.max_position_embeddings, "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+              "vocab_size": cfg.vocab_size, "expert_count": routing.num_experts,
+              "expert_used_count": routing.experts_per_token}
+    if arch != "llama":  # llama.cpp's Mixtral files size their experts by feed_forward_length alone
+        fields["expert_feed_forward_length"] = routing.expert_intermediate_size
+    if getattr(cfg, "head_dim", None):
+        fields["attention.key_length"] = fields["attention.value_length"] = cfg.head_dim
+    if arch == "qwen2moe":
+        fields["expert_shared_feed_forward_length"] = routing.shared_intermediate_size
+    if arch == "dots1":
+        fields.update(expert_shared_count=cfg.n_shared_experts, expert_weights_scale=float(routing.routed_scale),
+                      expert_weights_norm=routing.normalize_top_k, expert_gating_func=2,
+                      expert_group_count=routing.num_groups, expert_group_used_count=routing.groups_per_token,
+                      leading_dense_block_count=len(routing.dense_layers))
+    fields.update(metadata or {})
+    for key, value in fields.items():
+        kind = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32,
+                float: gguf.GGUFValueType.FLOAT32}[type(value)]
+        writer.add_key_value(f"{arch}.{key}", value, kind)
+    tensors = {}
+    for name, tensor in hf_model.state_dict().items():
+        arr = tensor.float().numpy()
+        name = renamed(name, HF_MOE_RENAMES)
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            tensors[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]] = arr
+            continue
+        layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+        if rest == "mlp.experts.gate_up_proj":  # transformers 5 holds experts stacked: (E, 2I, C), (E, C, I)
+            half = arr.shape[1] // 2
+            tensors[f"blk.{layer}.ffn_gate_exps.weight"] = arr[:, :half]
+            tensors[f"blk.{layer}.ffn_up_exps.weight"] = arr[:, half:]
+            continue
+        if rest == "mlp.experts.down_proj":
+            tensors[f"blk.{layer}.ffn_down_exps.weight"] = arr
+            continue
+        if rest.startswith("mlp.shared_expert."):
+            gname = f"ffn_{rest.split('.')[2].replace('_proj', '')}_shexp.weight"
+        elif rest in _HF_TO_GGUF_MOE:
+            gname = _HF_TO_GGUF_MOE[rest]
+            if rest == "mlp.shared_expert_gate.weight":
+                arr = arr.reshape(-1)
+        else:
+            gname = _HF_TO_GGUF_BLOCK[rest]
+        if permute and rest.startswith("self_attn.q_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif permute and rest.startswith("self_attn.k_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
+        tensors[f"blk.{layer}.{gname}"] = arr
+    for gname, arr in tensors.items():
+        if gname not in drop:
             writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

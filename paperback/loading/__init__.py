@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from paperback.errors import ModelFileError, PaperbackError
+from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
+from paperback.loading.experts import check_experts
 from paperback.loading.gguf_file import GGUFModelFile
 from paperback.loading.hf_dir import HFModelDir, read_safetensors
 from paperback.loading.sources import ModelSource, resolve_model
@@ -116,6 +117,7 @@ def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> L
     if source.kind == "gguf":
         gguf_file = GGUFModelFile(source.path)
         config = gguf_file.config()
+        check_experts(config, gguf_file.tensor_shapes(), source.label)
         model = assemble_model(config, gguf_file.tensors(config), dtype, source.label, len(gguf_file.reader.tensors))
         tokenizer = None
         if with_tokenizer:
@@ -136,6 +138,10 @@ def _load(spec: str | None, dtype: str | torch.dtype, with_tokenizer: bool) -> L
     else:
         hf_dir = HFModelDir(source.path)
         config = hf_dir.config()
+        if "quantization_config" in hf_dir.hf_config and config.moe is not None:
+            raise UnsupportedModelError(f"{source.label}: MoE checkpoints quantized by other tools are not "
+                                        f"supported yet (load the unquantized model and quantize it here)")
+        check_experts(config, hf_dir.tensor_shapes(config), source.label)
         if "quantization_config" in hf_dir.hf_config:  # quantized elsewhere: packed layers as stored
             from paperback.quantization.checkpoint import prepare_quantized_model
 

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from paperback.errors import ModelFileError, UnsupportedModelError
-from paperback.loading.weight_names import GGUF_ARCHS, GGUFArch, gguf_to_model_name
-from paperback.models.config import INT_RANGES, ModelConfig, RopeConfig
+from paperback.loading.weight_names import (
+    EXPERT_PLACEHOLDER, GGUF_ARCHS, GGUF_GATING, GGUFArch, gguf_to_model_name)
+from paperback.models.config import INT_RANGES, ModelConfig, MoEConfig, RopeConfig
 
 GEMMA3_SLIDING_PATTERN = 6  # every 6th Gemma 3 layer is global; GGUF does not store it
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -140,6 +141,8 @@ class GGUFModelFile:
                 rope_local=RopeConfig(theta=GEMMA3_LOCAL_ROPE_THETA),
             )
         head_dim = self._int("attention.key_length", *limits["head_dim"], hidden // heads)
+        if family == "moe" or self._arch_field("expert_count"):
+            family, kwargs["moe"] = "moe", self._moe(layers)
         return ModelConfig(
             family=family,
             vocab_size=vocab,
@@ -159,6 +162,28 @@ class GGUFModelFile:
             **kwargs,
         )
 
+    def _moe(self, layers: int) -> MoEConfig:
+        """Routing from llama.cpp's `expert_*` metadata; which layers are dense from which have a router."""
+        experts = self._int("expert_count", 1, 4096, required=True)
+        expert_size = self._int("expert_feed_forward_length", *INT_RANGES["intermediate_size"],
+                                self._arch_field("feed_forward_length"))
+        gating = self._int("expert_gating_func", 1, 2, 1)
+        shared_count = self._int("expert_shared_count", 0, 64, 0)
+        shared = self._int("expert_shared_feed_forward_length", 0, 2 ** 18, shared_count * expert_size)
+        normalize = self._arch_field("expert_weights_norm", self.arch.moe_normalize)
+        if not isinstance(normalize, bool):
+            raise ModelFileError(f"{self.path}: metadata '{self.arch_name}.expert_weights_norm' is not a boolean")
+        return MoEConfig(
+            num_experts=experts, experts_per_token=self._int("expert_used_count", 1, experts, required=True),
+            expert_intermediate_size=expert_size, scoring=GGUF_GATING[gating], normalize_top_k=normalize,
+            routed_scale=self._float("expert_weights_scale", 0.0, 1e6, 1.0) or 1.0,  # 0: unset
+            num_groups=self._int("expert_group_count", 1, experts, 1),
+            groups_per_token=self._int("expert_group_used_count", 1, experts, 1),
+            score_correction=any(f"blk.{i}.exp_probs_b.bias" in self.tensor_names for i in range(layers)),
+            shared_intermediate_size=shared,
+            shared_gate=any(f"blk.{i}.ffn_gate_inp_shexp.weight" in self.tensor_names for i in range(layers)),
+            dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_names))
+
     def _rope(self) -> RopeConfig:
         theta = self._float("rope.freq_base", 1e-3, 1e12, 10000.0)
         scaling = str(self._arch_field("rope.scaling.type", "none"))
@@ -172,6 +197,15 @@ class GGUFModelFile:
         if scaling != "linear":
             raise UnsupportedModelError(f"{self.path}: RoPE scaling '{scaling}' is not supported")
         return RopeConfig(theta=theta, scaling_type="linear", factor=factor, freq_factors=freq_factors)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{paperback name: shape} of the tensors the model uses, from the header alone."""
+        shapes = {}
+        for t in self.reader.tensors:
+            name = gguf_to_model_name(t.name, self.arch)
+            if name is not None:
+                shapes[name] = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return shapes
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """(paperback name, fp32 tensor) for every weight the model uses."""
@@ -193,6 +227,14 @@ class GGUFModelFile:
                 values = unpermute_rope_rows(values, heads)
             if self.arch.norm_offset and "norm.weight" in t.name:
                 values = values - np.float32(self.arch.norm_offset)
+            if EXPERT_PLACEHOLDER in name:  # (experts, out, in): one matrix per expert
+                if values.ndim != 3:
+                    raise ModelFileError(f"{self.path}: tensor '{t.name}' is not a stack of expert matrices")
+                for expert, matrix in enumerate(values):
+                    yield name.replace(EXPERT_PLACEHOLDER, str(expert)), torch.from_numpy(matrix)
+                continue
+            if t.name.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp stores Qwen's (1, C) gate as (C,)
+                values = values.reshape(1, -1)
             yield name, torch.from_numpy(values)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from paperback.errors import ModelFileError, UnsupportedModelError
-from paperback.loading.weight_names import HF_MODEL_TYPES
-from paperback.models.config import ModelConfig, RopeConfig
+from paperback.loading.weight_names import HF_MODEL_TYPES, HF_MOE_RENAMES, renamed
+from paperback.models.config import ModelConfig, MoEConfig, RopeConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 # Prefixes under which multimodal checkpoints keep the language model.
@@ -66,6 +66,33 @@ def _rope_from_hf(cfg: dict, path: Path, layer_kind: str | None = None) -> RopeC
     )
 
 
+def _moe_from_hf(cfg: dict, model_type: str, layers: int, path: Path) -> MoEConfig:
+    """The routing of an MoE config.json: Mixtral, Qwen2-MoE, Qwen3-MoE or dots.llm1 (DeepSeek-V3 routing)."""
+    experts = int(_require(cfg, {"dots1": "n_routed_experts", "mixtral": "num_local_experts"}.get(
+        model_type, "num_experts" if "num_experts" in cfg else "num_local_experts"), path))
+    common = dict(num_experts=experts, experts_per_token=int(_require(cfg, "num_experts_per_tok", path)))
+    if model_type == "mixtral":
+        return MoEConfig(**common, expert_intermediate_size=int(_require(cfg, "intermediate_size", path)))
+    expert_size = int(_require(cfg, "moe_intermediate_size", path))
+    if model_type == "dots1":
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise UnsupportedModelError(f"{path}: only sigmoid, noaux_tc routing is supported for dots1")
+        return MoEConfig(**common, expert_intermediate_size=expert_size, scoring="sigmoid",
+                         normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+                         routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+                         num_groups=int(cfg.get("n_group") or 1), groups_per_token=int(cfg.get("topk_group") or 1),
+                         score_correction=True,
+                         shared_intermediate_size=expert_size * int(cfg.get("n_shared_experts") or 0),
+                         dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))))
+    # Qwen-MoE: sparse every `decoder_sparse_step` layers except `mlp_only_layers`
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    return MoEConfig(**common, expert_intermediate_size=expert_size,
+                     normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
+                     shared_intermediate_size=shared, shared_gate=bool(shared), dense_layers=tuple(sorted(dense)))
+
+
 def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     """Translate a `config.json` dict; raises a clear error for unknown model types."""
     if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
@@ -97,14 +124,17 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
             raise UnsupportedModelError(f"{path}: logit soft-capping is not supported")
     else:
         rope = _rope_from_hf(cfg, path)
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")):
             kwargs.update(sliding_window=int(cfg["sliding_window"]),
                           layer_types=("sliding",) * layers)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{path}: activation '{act}' is not supported")
-    if "attention_bias" in cfg:
-        flags["attention_bias"] = bool(cfg["attention_bias"])
+    for key in ("attention_bias", "qkv_bias"):  # Qwen2-MoE says qkv_bias
+        if key in cfg:
+            flags["attention_bias"] = bool(cfg[key])
+    if flags["family"] == "moe":
+        kwargs["moe"] = _moe_from_hf(cfg, model_type, layers, path)
     return ModelConfig(
         vocab_size=int(_require(cfg, "vocab_size", path)),
         hidden_size=hidden,
@@ -155,7 +185,24 @@ class HFModelDir:
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in read_safetensors(self.shards):
-            yield _strip_language_prefix(name), tensor
+            name = _strip_language_prefix(name)
+            yield (renamed(name, HF_MOE_RENAMES) if config.moe is not None else name), tensor
+
+    def tensor_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """{paperback name: shape} of every stored tensor, from the files' headers alone."""
+        from safetensors import SafetensorError, safe_open
+
+        shapes = {}
+        for shard in self.shards:
+            try:
+                with safe_open(shard, framework="pt") as f:
+                    for key in f.keys():
+                        name = _strip_language_prefix(key)
+                        name = renamed(name, HF_MOE_RENAMES) if config.moe is not None else name
+                        shapes[name] = tuple(f.get_slice(key).get_shape())
+            except (SafetensorError, OSError) as exc:
+                raise ModelFileError(f"{shard} is not a readable safetensors file: {exc}") from None
+        return shapes
 
     def tensor_names(self) -> list[str]:
         """Every stored tensor's name (from the files' headers alone)."""

@@ -107,11 +107,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """down(act(gate(x)) * up(x)); `intermediate_size` overrides the config's (an MoE's experts)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inner = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
         self.act = gated_mlp_act(config.hidden_act)
 
     def forward(self, x):

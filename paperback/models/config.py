@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field
 
 from paperback.errors import ModelFileError, UnsupportedModelError
 
-FAMILIES = ("llama", "gemma3")
+FAMILIES = ("llama", "gemma3", "moe")
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
+ROUTER_SCORES = ("softmax", "sigmoid")
 # Sane ranges of the integer fields: far beyond any released model, small enough that nothing computed from
 # them overflows or allocates absurdly before a tensor is read.
 INT_RANGES = {"vocab_size": (1, 2 ** 22), "hidden_size": (1, 2 ** 16), "intermediate_size": (1, 2 ** 18),
@@ -64,6 +65,62 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """How a mixture-of-experts MLP routes: every field of the three styles paperback runs.
+
+    Mixtral: softmax over the experts, top k, weights renormalised. Qwen-MoE: the same, renormalised or not
+    (`normalize_top_k`), beside one shared expert scaled by sigmoid(x . shared gate). DeepSeek-V3 / dots.llm1:
+    sigmoid scores plus a learned per-expert bias (`score_correction`, used to choose, never to weigh), the
+    choice limited to the best `groups_per_token` of `num_groups` expert groups, weights renormalised and
+    multiplied by `routed_scale`, beside ungated shared experts. `dense_layers` keep a plain MLP of
+    `intermediate_size` (DeepSeek's leading dense blocks, Qwen's `mlp_only_layers`).
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    scoring: str = "softmax"
+    normalize_top_k: bool = True
+    routed_scale: float = 1.0
+    num_groups: int = 1
+    groups_per_token: int = 1
+    score_correction: bool = False
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        check_int("num_experts", self.num_experts, 1, 4096)
+        check_int("experts_per_token", self.experts_per_token, 1, self.num_experts)
+        check_int("expert_intermediate_size", self.expert_intermediate_size, 1, 2 ** 18)
+        check_int("shared_intermediate_size", self.shared_intermediate_size, 0, 2 ** 18)
+        check_int("num_groups", self.num_groups, 1, self.num_experts)
+        check_int("groups_per_token", self.groups_per_token, 1, self.num_groups)
+        check_float("routed_scale", self.routed_scale, 1e-6, 1e6)
+        if self.scoring not in ROUTER_SCORES:
+            raise UnsupportedModelError(f"router scoring '{self.scoring}' is not supported "
+                                        f"(supported: {', '.join(ROUTER_SCORES)})")
+        if self.num_experts % self.num_groups:
+            raise ModelFileError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ModelFileError("group-limited routing needs at least two experts per group")
+        if self.experts_per_token > self.groups_per_token * per_group:
+            raise ModelFileError(f"{self.experts_per_token} experts per token cannot be chosen from "
+                                 f"{self.groups_per_token} groups of {per_group}")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ModelFileError("a shared-expert gate needs a shared expert")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    @staticmethod
+    def from_dict(raw: dict) -> "MoEConfig":
+        """The inverse of `asdict` (JSON lists back to tuples)."""
+        raw = dict(raw)
+        raw["dense_layers"] = tuple(raw.get("dense_layers", ()))
+        return MoEConfig(**raw)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and hyper-parameters of a decoder-only transformer.
 
@@ -91,6 +148,8 @@ class ModelConfig:
     # Gemma 3: RoPE of the sliding layers, attention scale, embedding scale
     rope_local: RopeConfig | None = None
     query_pre_attn_scalar: float | None = None
+    # the "moe" family: how its MLPs route (None for dense families)
+    moe: MoEConfig | None = None
     name: str = ""
 
     def __post_init__(self):
@@ -116,6 +175,14 @@ class ModelConfig:
             )
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation '{self.hidden_act}' is not supported")
+        if (self.family == "moe") != (self.moe is not None):
+            raise ModelFileError("the 'moe' family, and only it, needs a mixture-of-experts setting")
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise ModelFileError(f"model config field 'moe' is not a mixture-of-experts setting: {self.moe!r}")
+            if any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
+                raise ModelFileError(f"dense layers {list(self.moe.dense_layers)} are not all among the "
+                                     f"{self.num_layers} layers")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full", "sliding"}:
@@ -126,6 +193,10 @@ class ModelConfig:
     def window_of(self, layer_idx: int) -> int | None:
         """Attention window of a layer in tokens, or None for full attention."""
         return self.sliding_window if self.layer_types[layer_idx] == "sliding" else None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return self.moe is not None and layer_idx not in self.moe.dense_layers
 
     def to_dict(self) -> dict:
         return asdict(self)

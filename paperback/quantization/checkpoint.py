@@ -23,7 +23,7 @@ import torch
 
 from paperback import __version__
 from paperback.errors import ModelFileError, PaperbackError, UnsupportedModelError
-from paperback.models import DecoderLM, ModelConfig, RopeConfig
+from paperback.models import DecoderLM, ModelConfig, MoEConfig, RopeConfig
 from paperback.quantization.head_bands import BandedQuantEmbedding, BandedWeight, band_key, split_band_key
 from paperback.quantization.qlinear import QuantEmbedding, QuantLinear
 from paperback.quantization.scheme import QuantScheme
@@ -169,6 +169,10 @@ def config_from_recipe(recipe: dict, path: Path) -> ModelConfig:
     try:
         raw.update(rope=_rope(raw["rope"], True), rope_local=_rope(raw.get("rope_local"), False),
                    layer_types=tuple(raw["layer_types"]))
+        if raw.get("moe") is not None:
+            if not isinstance(raw["moe"], dict):
+                raise TypeError(f"moe {raw['moe']!r} is not an object")
+            raw["moe"] = MoEConfig.from_dict(raw["moe"])
         return ModelConfig(**raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{path / RECIPE_FILE}: malformed model_config ({exc})") from None
