@@ -11,14 +11,14 @@ from paperback import __version__
 from paperback.errors import PaperbackError
 
 try:
-    from paperback.cli import (bench_cmd, demo_cmd, eval_cmd, export_cmd, fit_cmd, generate_cmd, info_cmd, plan_cmd,
-                               profile_cmd, quantize_cmd, serve_cmd)
+    from paperback.cli import (bench_cmd, demo_cmd, eval_cmd, export_cmd, fit_cmd, generate_cmd, info_cmd, moefy_cmd,
+                               plan_cmd, profile_cmd, quantize_cmd, serve_cmd)
 except PaperbackError as exc:  # a PAPERBACK_* environment variable that the kernels read at import is invalid
     print(f"paperback: error: {exc}", file=sys.stderr)
     sys.exit(2)
 
 COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, quantize_cmd, export_cmd, serve_cmd, plan_cmd, profile_cmd,
-            fit_cmd, demo_cmd)
+            fit_cmd, moefy_cmd, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

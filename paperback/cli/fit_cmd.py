@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                        candidates=args.candidates, even_margin=args.even_margin, head_bands=not args.no_head_bands)
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
+    lm.config.require_dense("paperback fit")
     fit = Fit(lm, text, config, args.output, args.profile, args.cache_dir, args.overwrite, progress=not args.json)
     reference = load_model(args.model, "fp32")
     result = fit.run(reference)

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     parse_weight_candidates(config.weight_schemes)  # bad names fail before the model loads
     text = load_text(args.text)
     lm = load_model(args.model, "fp32")
+    lm.config.require_dense("paperback profile")
     parse_kv_candidates(config.kv_formats, lm.config)
     profiler = Profiler(lm.model, lm.tokenizer, text, args.text, config, args.cache_dir, progress=not args.json,
                         model_label=lm.source.label)

@@ -198,5 +198,12 @@ class ModelConfig:
         """Whether the layer's MLP is a mixture of experts."""
         return self.moe is not None and layer_idx not in self.moe.dense_layers
 
+    def require_dense(self, what: str) -> None:
+        """Refuse, by name, work not yet written for mixture-of-experts models."""
+        if self.moe is not None:
+            name = self.name or "this model"
+            raise UnsupportedModelError(f"{what} does not take mixture-of-experts models yet ({name} has "
+                                        f"{self.moe.num_experts} experts per layer)")
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,18 +33,27 @@ class WeightBytes:
         return self.quantized_codes + self.quantized_overhead + self.full_precision
 
 
-def block_linears(shape: ModelShape) -> list[tuple[int, int]]:
-    """(out, in) of every linear layer in one block, each expert's MLP listed."""
+def _mlp(h: int, inner: int) -> list[tuple[int, int]]:
+    return [(inner, h), (inner, h), (h, inner)]
+
+
+def block_linears(shape: ModelShape, moe_layer: bool = True) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer in one block, each expert's MLP listed (and the shared experts') where
+    the block is an MoE one."""
     h, d = shape.hidden_size, shape.head_dim
     attention = [(shape.num_heads * d, h), (shape.num_kv_heads * d, h), (shape.num_kv_heads * d, h),
                  (h, shape.num_heads * d)]
-    mlp = [(shape.intermediate_size, h), (shape.intermediate_size, h), (h, shape.intermediate_size)]
-    return attention + mlp * shape.num_experts
+    if shape.num_experts == 1 or not moe_layer:
+        return attention + _mlp(h, shape.intermediate_size)
+    experts = _mlp(h, shape.expert_intermediate_size or shape.intermediate_size) * shape.num_experts
+    shared = _mlp(h, shape.shared_intermediate_size) if shape.shared_intermediate_size else []
+    return attention + experts + shared
 
 
 def weight_bytes(shape: ModelShape, scheme: str | QuantScheme = "fp16") -> WeightBytes:
     """scheme: fp32 / fp16 / bf16, or a QuantScheme for the block linears."""
-    linears = block_linears(shape) * shape.num_layers
+    linears = (block_linears(shape) * shape.moe_layers
+               + block_linears(shape, moe_layer=False) * (shape.num_layers - shape.moe_layers))
     if isinstance(scheme, str):
         bits = FULL_PRECISION[scheme]
         codes, overhead, other_bits = sum(o * i for o, i in linears) * bits // 8, 0, bits
@@ -60,7 +69,8 @@ def weight_bytes(shape: ModelShape, scheme: str | QuantScheme = "fp16") -> Weigh
     if shape.attention_bias:
         other += shape.num_layers * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     if shape.num_experts > 1:
-        other += shape.num_layers * shape.num_experts * h  # router
+        other += shape.moe_layers * ((shape.num_experts + shape.shared_gate) * h  # routers, shared-expert gates
+                                     + shape.num_experts * shape.router_bias)
     return WeightBytes(codes, overhead, other * other_bits // 8)
 
 

@@ -82,7 +82,7 @@ def runtime_allowance(shape: ModelShape, chunk: int = 512, users: int = 1) -> Ru
     and the scores and probabilities against one step of keys per query head. Logits are computed only
     for the rows a step samples, and softmax makes a second copy.
     """
-    per_token = (4 * shape.hidden_size + 2 * shape.intermediate_size * shape.experts_per_token
+    per_token = (4 * shape.hidden_size + 2 * shape.active_mlp_size(shape.moe_layers > 0)
                  + 2 * shape.num_heads * ATTENTION_KEYS_PER_STEP)
     return RuntimeAllowance(RUNTIME_BYTES, TOKENIZER_BYTES_PER_ENTRY * shape.vocab_size, chunk * per_token * 4,
                             2 * users * shape.vocab_size * 4)

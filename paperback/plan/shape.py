@@ -3,7 +3,7 @@
 Sources: a bundled preset by name (`paperback/plan/presets/*.json`, each
 naming where its numbers come from), a Hugging Face `config.json` (or a
 directory holding one, paperback's quantized checkpoints included), or a
-GGUF file's metadata. MoE models (Mixtral) plan but do not run here.
+GGUF file's metadata. MoE models (Mixtral, Qwen-MoE, dots.llm1) count every expert's weights.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from paperback.errors import PaperbackError
 PRESETS = resources.files("paperback.plan") / "presets"
 # model types the planner understands, and whether q/k/v carry a bias
 MODEL_TYPES = {"llama": False, "mistral": False, "mixtral": False, "qwen2": True, "qwen3": False,
-               "gemma3_text": False, "gemma3": False}
+               "gemma3_text": False, "gemma3": False, "qwen2_moe": True, "qwen3_moe": False, "dots1": False}
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class ModelShape:
     qk_norm: bool = False
     num_experts: int = 1  # MoE: every expert's MLP is stored
     experts_per_token: int = 1
+    expert_intermediate_size: int = 0  # 0: intermediate_size
+    shared_intermediate_size: int = 0  # an MoE's always-on shared experts, all together
+    shared_gate: bool = False  # Qwen2-MoE's one-row gate on the shared expert
+    router_bias: bool = False  # DeepSeek-V3's per-expert score correction
+    dense_layers: int = 0  # layers of an MoE model whose MLP is dense (intermediate_size)
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] = field(default=())  # per layer: window or None (full attention)
     source: str = ""
@@ -54,6 +59,17 @@ class ModelShape:
                                if self.sliding_window else (None,) * self.num_layers)
         if len(self.layer_windows) != self.num_layers:
             raise PaperbackError("one attention window per layer is needed")
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.dense_layers if self.num_experts > 1 else 0
+
+    def active_mlp_size(self, moe_layer: bool) -> int:
+        """Intermediate neurons a token runs in one layer: a dense MLP, or k experts and the shared ones."""
+        if not moe_layer:
+            return self.intermediate_size
+        return (self.expert_intermediate_size or self.intermediate_size) * self.experts_per_token \
+            + self.shared_intermediate_size
 
     def window_of(self, layer: int) -> int | None:
         """The layer's sliding window, None for full attention (as ModelConfig says it; KV policies use it)."""
@@ -83,8 +99,13 @@ def shape_from_hf(cfg: dict, where: str = "config.json", source: str = "") -> Mo
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                            for i in range(layers)]
         windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe", "dots1") and not cfg.get("use_sliding_window", False):
         window = None
+    moe = {}
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "dots1"):
+        from paperback.loading.hf_dir import _moe_from_hf
+
+        moe = moe_fields(_moe_from_hf(cfg, model_type, layers, Path(where)))
     return ModelShape(
         name=str(cfg.get("_name_or_path") or where), num_layers=layers, hidden_size=hidden,
         intermediate_size=int(_need(cfg, "intermediate_size", where)), num_heads=heads,
@@ -92,10 +113,17 @@ def shape_from_hf(cfg: dict, where: str = "config.json", source: str = "") -> Mo
         vocab_size=int(_need(cfg, "vocab_size", where)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type.startswith("gemma3"))),
-        attention_bias=bool(cfg.get("attention_bias", MODEL_TYPES[model_type])),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
-        num_experts=int(cfg.get("num_local_experts") or 1), experts_per_token=int(cfg.get("num_experts_per_tok") or 1),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", MODEL_TYPES[model_type]))),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1"), **moe,
         sliding_window=int(window) if window and not windows else None, layer_windows=windows, source=source or where)
+
+
+def moe_fields(moe) -> dict:
+    """ModelShape's MoE fields from paperback's MoEConfig."""
+    return dict(num_experts=moe.num_experts, experts_per_token=moe.experts_per_token,
+                expert_intermediate_size=moe.expert_intermediate_size,
+                shared_intermediate_size=moe.shared_intermediate_size, shared_gate=moe.shared_gate,
+                router_bias=moe.score_correction, dense_layers=len(moe.dense_layers))
 
 
 def shape_from_config(config, name: str, source: str) -> ModelShape:
@@ -106,7 +134,7 @@ def shape_from_config(config, name: str, source: str) -> ModelShape:
                       max_position_embeddings=config.max_position_embeddings,
                       tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
                       qk_norm=config.qk_norm, layer_windows=tuple(config.window_of(i) for i in range(config.num_layers)),
-                      source=source)
+                      source=source, **(moe_fields(config.moe) if config.moe is not None else {}))
 
 
 def preset_names() -> list[str]:

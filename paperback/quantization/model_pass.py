@@ -182,6 +182,7 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
 
     calibration: (N, L) token ids, required by the methods that calibrate (GPTQ, AWQ).
     """
+    model.config.require_dense("weight quantization")
     method = METHODS[config.method]
     if method.calibrated and calibration is None:
         raise PaperbackError(f"{config.method.upper()} needs calibration data")

@@ -100,3 +100,17 @@ def test_malformed_moe_gguf_gets_one_clear_line(tmp_path):
     write_moe_gguf(hf, tmp_path / "count.gguf", metadata={"expert_count": 4})
     with pytest.raises(ModelFileError, match="router of layer 0 scores 8 experts but the config says 4"):
         load_model(str(tmp_path / "count.gguf"), with_tokenizer=False)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_planner_counts_every_expert_byte(hf_moe, source):
+    """fp32 weight bytes from the config alone = 4 x the parameters transformers holds (routers, shared experts,
+    dense layers, DeepSeek's router bias included)."""
+    from paperback.plan.arithmetic import weight_bytes
+    from paperback.plan.shape import load_shape
+
+    kind, hf, directory, gguf_path = hf_moe
+    shape = load_shape(str(directory if source == "safetensors" else gguf_path))
+    stored = sum(t.numel() for name, t in hf.state_dict().items()
+                 if not (hf.config.tie_word_embeddings and name == "lm_head.weight"))
+    assert weight_bytes(shape, "fp32").total == 4 * stored

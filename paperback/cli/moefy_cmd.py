@@ -1,0 +1,72 @@
+"""`paperback moefy [MODEL] -o DIR --experts 8 --top-k 6`: a dense model made a mixture of experts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.output import note, print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser("moefy", help="split a dense model's MLPs into experts (a test MoE model)",
+                       description="MoEfication without training: each MLP's neurons are clustered into equal "
+                                   "experts by which calibration tokens they fire on, a linear router is fitted by "
+                                   "least squares to each expert's share of the output, the chosen experts weigh "
+                                   "equally, and the down projections are refitted to the dense output given the "
+                                   "routing. Writes a Mixtral directory (a Qwen2-MoE one with --shared-fraction) "
+                                   "that paperback, transformers and vLLM load. Quality: docs/moe.md.")
+    add_model_arg(p)
+    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    p.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
+    p.add_argument("--top-k", type=int, default=6, help="experts each token runs (default 6)")
+    p.add_argument("--shared-fraction", type=float, default=0.0,
+                   help="share of each MLP's neurons in an always-on shared expert (Qwen2-MoE layout; default 0)")
+    p.add_argument("--no-compensate", action="store_true", help="keep the dense down projections (scaled by k)")
+    p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
+    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of the written weights (default float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from paperback.errors import PaperbackError
+    from paperback.export.hf_dir_export import save_hf_dir
+    from paperback.loading import load_model
+    from paperback.moefy.build import MoefyConfig, moefy
+    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+
+    config = MoefyConfig(args.experts, args.top_k, args.shared_fraction, not args.no_compensate,
+                         calibration=CalibrationConfig(args.calib, args.calib_samples, args.calib_len, args.seed),
+                         seed=args.seed)
+    if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:  # before any work
+        raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
+    lm = load_model(args.model)
+    config.sizes(lm.config.intermediate_size)  # an uneven split is refused before calibration
+    moe, reports = moefy(lm.model, calibration_batch(lm.tokenizer, config.calibration), config,
+                         progress=not args.json)
+    report = {"source": lm.source.label, "config": config.to_dict(), "moe": moe.config.moe.__dict__,
+              "layers": [r.__dict__ for r in reports]}
+    save_hf_dir(moe, lm.tokenizer, args.output, args.dtype, overwrite=args.overwrite,
+                extra_files={"moefy.json": json.dumps(report, indent=2)})
+    if args.json:
+        print_json({**report, "output": str(args.output)})
+        return 0
+    mean = {key: sum(getattr(r, key) for r in reports) / len(reports)
+            for key in ("router_recall", "error_routed", "error")}
+    print_table(f"MoEfied {lm.source.label}", ["field", "value"], [
+        ["output", str(args.output)],
+        ["experts / top-k", f"{config.num_experts} / {config.experts_per_token}"],
+        ["shared expert", f"{moe.config.moe.shared_intermediate_size} neurons" if config.shared_fraction else "-"],
+        ["router recall (held-out tokens)", f"{mean['router_recall']:.3f}"],
+        ["MLP output error, routed", f"{mean['error_routed']:.3f}"],
+        ["MLP output error, refitted", f"{mean['error']:.3f}"]])
+    note(f"evaluate it: paperback eval {args.output}; quality of the settings measured so far: docs/moe.md")
+    return 0
