@@ -24,7 +24,7 @@ from paperback.allocate.units import BLOCK_UNITS, HEAD_UNIT, WeightUnit
 from paperback.errors import PaperbackError
 from paperback.quantization.awq import AWQConfig, awq_block, capture_inputs, scale_groups
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
-from paperback.quantization.model_pass import BLOCK_LINEARS, INPUT_OF
+from paperback.quantization.model_pass import BLOCK_LINEARS, input_reader
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 from paperback.quantization.scheme import QuantScheme
 
@@ -64,14 +64,14 @@ def _rtn_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, Effec
 
 
 def _gptq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
-    readers = sorted({INPUT_OF.get(name, name) for name in BLOCK_LINEARS})
+    readers = sorted({input_reader(name) for name in BLOCK_LINEARS})
     inputs = capture_inputs(layer, x, cos, sin, readers)
     hessians = {}
     for name in readers:
         acc = HessianAccumulator(layer.get_submodule(name).in_features)
         acc.add_batch(inputs[name])
         hessians[name] = acc.H
-    return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight, hessians[INPUT_OF.get(name, name)],
+    return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight, hessians[input_reader(name)],
                                                 scheme, gptq))
             for name in BLOCK_LINEARS}
 

@@ -120,12 +120,13 @@ def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: 
 
     from paperback.loading import load_model
     from paperback.loading.weight_names import GGUF_ARCHS, GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES
-    from paperback.quantization.checkpoint import read_recipe
+    from paperback.quantization.checkpoint import config_from_recipe, read_recipe
 
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and not overwrite:
         raise PaperbackError(f"{out} exists; pass --overwrite to replace it")
     recipe = read_recipe(checkpoint)
+    config_from_recipe(recipe, checkpoint).require_dense("GGUF export")
     source = Path(str(recipe.get("source_model", "")))
     if source.suffix != ".gguf" or not source.is_file():
         raise PaperbackError(f"{checkpoint} was quantized from {source or 'an unrecorded source'}; GGUF export copies "

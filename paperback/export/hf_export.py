@@ -50,6 +50,7 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
     if dtype not in DTYPES:
         raise PaperbackError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     lm = load_model(str(checkpoint), "fp32", with_tokenizer=(checkpoint / "tokenizer.json").is_file())
+    lm.config.require_dense(f"{fmt.name} export")
     model, torch_dtype = lm.model, DTYPES[dtype]
     # A banded head (paperback's own layout) is written as the dense embedding it decodes to, as embeddings are.
     banded = {n: m for n, m in model.named_modules() if hasattr(m, "band_of")}

@@ -59,8 +59,25 @@ class _InputsCaptured(Exception):
 
 
 # Linears that read the same input share one Hessian: accumulated once, not once per linear.
-INPUT_OF = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
-            "mlp.up_proj": "mlp.gate_proj"}
+INPUT_OF = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
+def input_reader(name: str) -> str:
+    """The linear whose input Hessian `name` shares ("mlp.experts.3.up_proj" -> "mlp.experts.3.gate_proj")."""
+    path, _, kind = name.rpartition(".")
+    return f"{path}.{INPUT_OF.get(kind, kind)}"
+
+
+def expanded(kind: str, layer: nn.Module) -> list[str]:
+    """The block linears one target kind names in `layer`: itself, or in an MoE layer each expert's projection
+    of that kind and the shared expert's ("mlp.down_proj" -> "mlp.experts.0.down_proj", ...). Routers stay
+    full precision, as vLLM and llm-compressor keep them."""
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None or not kind.startswith("mlp."):
+        return [kind]
+    projection = kind[len("mlp."):]
+    names = [f"mlp.experts.{e}.{projection}" for e in range(len(experts))]
+    return names + ([f"mlp.shared_expert.{projection}"] if layer.mlp.shared_expert is not None else [])
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,8 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def _targets(layer: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
-    return {name: layer.get_submodule(name) for name in config.targets if name in BLOCK_LINEARS}
+    return {name: layer.get_submodule(name) for kind in config.targets if kind in BLOCK_LINEARS
+            for name in expanded(kind, layer)}
 
 
 def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torch.Tensor | None,
@@ -182,7 +200,8 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
 
     calibration: (N, L) token ids, required by the methods that calibrate (GPTQ, AWQ).
     """
-    model.config.require_dense("weight quantization")
+    if config.method == "awq":
+        model.config.require_dense("AWQ")
     method = METHODS[config.method]
     if method.calibrated and calibration is None:
         raise PaperbackError(f"{config.method.upper()} needs calibration data")
@@ -218,14 +237,15 @@ def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tens
     for idx, layer in enumerate(layers):
         cos, sin = model.rotary_for(idx)(positions, dtype)
         targets = _targets(layer, config)
-        groups = ([[n for n in group if n in targets] for group in SEQUENTIAL_GROUPS]
+        groups = ([[n for kind in group for n in expanded(kind, layer) if n in targets] for group in SEQUENTIAL_GROUPS]
                   if config.gptq.true_sequential else [list(targets)])
         for group in filter(None, groups):
             # One accumulator per distinct input, hooked on the module that reads it; a true-sequential
-            # group stops the forward once its input is captured.
-            readers = {INPUT_OF.get(name, name) for name in group}
+            # group stops the forward once its input is captured (never among experts: each sees its own tokens,
+            # so every expert must run).
+            readers = {input_reader(name) for name in group}
             accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in readers}
-            stop = config.gptq.true_sequential
+            stop = config.gptq.true_sequential and len(readers) == 1
 
             def capture(_m, args, acc):
                 acc.add_batch(args[0])
@@ -245,9 +265,11 @@ def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tens
                 for h in hooks:
                     h.remove()
             for name in group:
-                module = targets[name]
-                q = gptq_quantize(module.weight, accumulators[INPUT_OF.get(name, name)].H,
-                                  config.scheme_for(f"model.layers.{idx}.{name}.weight"), config.gptq)
+                module, accumulator = targets[name], accumulators[input_reader(name)]
+                scheme = config.scheme_for(f"model.layers.{idx}.{name}.weight")
+                # An expert no calibration token was routed to has no Hessian: rounded to nearest instead.
+                q = (gptq_quantize(module.weight, accumulator.H, scheme, config.gptq) if accumulator.rows
+                     else quantize_rtn(module.weight, scheme))
                 _set_weight(module, q)
                 results[f"model.layers.{idx}.{name}.weight"] = q
         with _autocast(device, low):  # inputs of the next block, post-quantization

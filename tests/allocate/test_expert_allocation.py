@@ -1,0 +1,89 @@
+"""NatScale's expert allocation and its baselines on a tiny random MoE model: errors, calibrated factors, the
+exact knapsack, the rankings, and the budgets they must keep."""
+
+import pytest
+import torch
+
+from helpers import tiny_moe_hf
+from paperback.allocate import experts as ea
+from paperback.errors import PaperbackError
+from paperback.loading import load_model
+from paperback.quantization.scheme import QuantScheme
+
+SCHEMES = [QuantScheme(2, 32), QuantScheme(3, 32), QuantScheme(4, 32), QuantScheme(8, 32)]
+BITS = {s.label: s.bits for s in SCHEMES}
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe")
+    tiny_moe_hf("qwen3_moe").save_pretrained(path)
+    model = load_model(str(path), with_tokenizer=False).model
+    torch.manual_seed(0)
+    calibration = torch.randint(0, 256, (8, 32))
+    routed = ea.capture_routing(model, calibration)
+    candidates = ea.quantize_candidates(model, routed, SCHEMES, progress=False)
+    errors = ea.expert_errors(model, routed, candidates)
+    factors, kls = ea.calibrate_factors(model, torch.randint(0, 256, (4, 32)), candidates, errors, "W2a-g32",
+                                        progress=False)
+    sizes = {k: ea.expert_size(e) for k, e in ea.experts_of(model).items()}
+    return model, routed, candidates, errors, factors, kls, sizes
+
+
+def test_errors_fall_with_bits_and_factors_are_measured(study):
+    model, routed, candidates, errors, factors, kls, sizes = study
+    assert len(errors) == model.config.num_layers * model.config.moe.num_experts
+    for per_scheme in errors.values():
+        values = [per_scheme[s.label] for s in SCHEMES]
+        assert all(a > b for a, b in zip(values, values[1:]))
+    # an expert no probe token is routed to costs nothing there (factor 0); the others cost some KL
+    assert all(k >= 0 for k in kls.values()) and sum(k > 0 for k in kls.values()) >= 0.9 * len(kls)
+    assert len(set(round(f, 6) for f in factors.values())) > len(factors) // 2
+
+
+def test_candidates_swap_in_and_out_exactly(study):
+    model, routed, candidates, *_ = study
+    ids = torch.randint(0, 256, (1, 12))
+    key = next(iter(candidates))
+    with torch.no_grad():
+        before = model(ids)
+        with ea.assigned(model, candidates, {key: "W2a-g32"}):
+            changed = model(ids)
+        after = model(ids)
+    assert torch.equal(before, after) and not torch.equal(before, changed)
+
+
+@pytest.mark.parametrize("budget", [2.5, 3.0, 4.0])
+def test_every_allocation_spends_the_same_budget_and_natscale_predicts_least(study, budget):
+    model, routed, candidates, errors, factors, kls, sizes = study
+    keys = sorted(errors)
+    signals = ea.expert_signals(model, routed)
+    allocations = {"natscale": ea.natscale_allocation(factors, errors, sizes, BITS, budget),
+                   "uniform": ea.uniform_allocation(keys, sizes, BITS, budget),
+                   **{name: ea.ranking_allocation(signal, sizes, BITS, budget) for name, signal in signals.items()},
+                   "random": ea.random_allocation(keys, sizes, BITS, budget, seed=0)}
+    spent = {name: ea.average_bits(a, sizes, BITS) for name, a in allocations.items()}
+    assert all(budget - 0.5 <= bits <= budget + 1e-9 for bits in spent.values()), spent
+    best = ea.predicted_kl(factors, errors, allocations["natscale"])
+    others = {name: ea.predicted_kl(factors, errors, a) for name, a in allocations.items()}
+    assert all(best <= value * (1 + 1e-6) for value in others.values()), (best, others)
+    if budget == 3.0:  # between W2 and W4, half the weights each; uniform gives everyone W3
+        assert set(allocations["uniform"].values()) == {"W3a-g32"}
+        assert sorted(set(allocations["frequency"].values())) == ["W2a-g32", "W4a-g32"]
+
+
+def test_frequency_ranking_gives_the_upper_bits_to_the_busiest_experts(study):
+    model, routed, _, errors, _, _, sizes = study
+    frequency = ea.expert_signals(model, routed)["frequency"]
+    allocation = ea.ranking_allocation(frequency, sizes, BITS, 2.5)
+    upper = [frequency[k] for k, label in allocation.items() if label == "W3a-g32"]
+    lower = [frequency[k] for k, label in allocation.items() if label == "W2a-g32"]
+    assert min(upper) >= max(lower)
+
+
+def test_budgets_below_two_bits_are_refused(study):
+    model, routed, candidates, errors, factors, kls, sizes = study
+    with pytest.raises(PaperbackError, match="below the 2 bits"):
+        ea.natscale_allocation(factors, errors, sizes, BITS, 1.5)
+    with pytest.raises(PaperbackError, match="below the 2 bits"):
+        ea.ranking_allocation(factors, sizes, BITS, 1.9)
