@@ -74,15 +74,36 @@ def parameter_count(module: torch.nn.Module) -> int:
     return total
 
 
-def weight_bytes_read_per_step(model) -> int:
-    """Weight bytes a decode step reads: every matrix once, but one embedding row.
+def _routed_experts(model) -> list[tuple[list[torch.nn.Module], int]]:
+    """(experts, experts per token) of each MoE layer; empty for a dense model."""
+    moe = getattr(model.config, "moe", None)
+    if moe is None:
+        return []
+    return [(list(layer.mlp.experts), moe.experts_per_token) for i, layer in enumerate(model.model.layers)
+            if model.config.is_moe_layer(i)]
 
-    With tied embeddings the output head reads the whole matrix anyway.
+
+def weight_bytes_read_per_step(model, batch: int = 1) -> int:
+    """Weight bytes a decode step of `batch` sequences reads: every matrix once, but one embedding row, and of
+    an MoE layer's routed experts only those some token of the step runs.
+
+    With tied embeddings the output head reads the whole matrix anyway. Which experts a step runs depends on
+    the tokens; the count is its expectation under uniform routing (an expert is idle with probability
+    (1 - k/E)^batch), exact for batch 1.
     """
     total = module_bytes(model)
     if model.lm_head is not None:
         total -= module_bytes(model.model.embed_tokens)  # only a row per token is gathered
-    return total
+    idle = sum((1 - k / len(experts)) ** batch * sum(module_bytes(e) for e in experts)
+               for experts, k in _routed_experts(model))
+    return total - round(idle)
+
+
+def active_parameter_count(model) -> int:
+    """Weights one token computes with: parameter_count less the routed experts it does not run (k of E)."""
+    idle = sum((1 - k / len(experts)) * sum(parameter_count(e) for e in experts)
+               for experts, k in _routed_experts(model))
+    return parameter_count(model) - round(idle)
 
 
 def release_freed_heap() -> None:

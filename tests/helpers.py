@@ -74,13 +74,13 @@ def tiny_hf(model_type: str):
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "dots1")
 
 
-def tiny_moe_hf(kind: str):
+def tiny_moe_hf(kind: str, **overrides):
     """A small random transformers MoE model of each routing style, with routers strong enough that no two
     experts' scores nearly tie (a near tie would let rounding order pick a different expert)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    small = {**SMALL, "intermediate_size": 80}
+    small = {**SMALL, "intermediate_size": 80, **overrides}
     if kind == "mixtral":
         model = tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=6, num_experts_per_tok=2,
                                                        tie_word_embeddings=False))

@@ -217,8 +217,8 @@ def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
 def _model_facts(lm, cfg: BenchConfig) -> dict:
     from paperback.generation.fused_decode import plan_for
     from paperback.generation.kv_cache import ContiguousKVCache
-    from paperback.memory import (dense_kv_bytes_per_token, kv_bytes_read_per_step, module_bytes, parameter_count,
-                                  weight_bytes_read_per_step)
+    from paperback.memory import (active_parameter_count, dense_kv_bytes_per_token, kv_bytes_read_per_step,
+                                  module_bytes, parameter_count, weight_bytes_read_per_step)
 
     cache_dtype = cfg.cache_dtype(lm.dtype)
     return {
@@ -226,7 +226,10 @@ def _model_facts(lm, cfg: BenchConfig) -> dict:
         "family": lm.config.family,
         "parameters": parameter_count(lm.model),
         "weight_bytes": module_bytes(lm.model),
+        "active_parameters": active_parameter_count(lm.model),  # per token: an MoE runs k of its E experts
         "weight_bytes_read_per_step": weight_bytes_read_per_step(lm.model),
+        # an MoE's steps read more experts as the batch grows (expected count under uniform routing)
+        "weight_bytes_read_per_step_by_batch": {str(b): weight_bytes_read_per_step(lm.model, b) for b in cfg.batches},
         "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
         "kv_bytes_per_token": dense_kv_bytes_per_token(lm.config, cache_dtype),
         # cache bytes one decode step reads at the mean decode context (sliding windows capped)

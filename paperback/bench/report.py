@@ -58,7 +58,9 @@ def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",),
     facts = results["paperback"]["model"]
     rooflines = {}
     for batch in cfg.batches:
-        roof = DecodeRoofline(batch, facts["decode_context"], facts["weight_bytes_read_per_step"],
+        weights = facts.get("weight_bytes_read_per_step_by_batch", {}).get(str(batch),
+                                                                          facts["weight_bytes_read_per_step"])
+        roof = DecodeRoofline(batch, facts["decode_context"], weights,
                               facts["kv_bytes_read_per_step"], bandwidth)
         rooflines[str(batch)] = roof.to_dict()
     return {"config": cfg.to_dict(), "engines": results, "bandwidth_bytes_per_s": bandwidth,

@@ -48,5 +48,5 @@ class DecodeRoofline:
 
 def decode_roofline(model, batch: int, context: int, bandwidth: float) -> DecodeRoofline:
     dtype = model.dtype
-    return DecodeRoofline(batch, context, weight_bytes_read_per_step(model),
+    return DecodeRoofline(batch, context, weight_bytes_read_per_step(model, batch),
                           kv_bytes_read_per_step(model.config, dtype, context), bandwidth)

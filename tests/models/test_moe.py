@@ -114,3 +114,21 @@ def test_planner_counts_every_expert_byte(hf_moe, source):
     stored = sum(t.numel() for name, t in hf.state_dict().items()
                  if not (hf.config.tie_word_embeddings and name == "lm_head.weight"))
     assert weight_bytes(shape, "fp32").total == 4 * stored
+
+
+def test_decode_reads_only_the_experts_it_runs(hf_moe):
+    """A batch-1 decode step reads k of E routed experts (and every shared expert); larger batches read the
+    expected union under uniform routing; active parameters count k experts a token."""
+    from paperback.memory import active_parameter_count, module_bytes, parameter_count, weight_bytes_read_per_step
+
+    kind, hf, directory, _ = hf_moe
+    model = load_model(str(directory), with_tokenizer=False).model
+    moe = model.config.moe
+    blocks = [layer.mlp for i, layer in enumerate(model.model.layers) if model.config.is_moe_layer(i)]
+    expert_bytes = sum(module_bytes(e) for block in blocks for e in block.experts)
+    expert_params = sum(e.gate_proj.weight.numel() * 3 for block in blocks for e in block.experts)
+    everything = module_bytes(model) - (module_bytes(model.model.embed_tokens) if model.lm_head is not None else 0)
+    idle = 1 - moe.experts_per_token / moe.num_experts
+    assert weight_bytes_read_per_step(model) == everything - round(idle * expert_bytes)
+    assert weight_bytes_read_per_step(model, 8) == everything - round(idle ** 8 * expert_bytes)
+    assert active_parameter_count(model) == parameter_count(model) - round(idle * expert_params)
