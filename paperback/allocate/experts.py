@@ -287,3 +287,26 @@ def random_allocation(keys: list[Key], sizes: dict[Key, int], bits: dict[str, in
 
 def average_bits(assignment: dict[Key, str], sizes: dict[Key, int], bits: dict[str, int]) -> float:
     return sum(sizes[k] * bits[label] for k, label in assignment.items()) / sum(sizes[k] for k in assignment)
+
+
+def natscale_schemes(model, calibration: torch.Tensor, probe: torch.Tensor, schemes: list[QuantScheme],
+                     budget: float, method: str = "gptq", progress: bool = True) -> tuple[dict[str, QuantScheme], dict]:
+    """NatScale end to end for `paperback quantize --expert-bits`: ({expert parameter name: scheme}, a report
+    for the recipe). calibration (B, T) gives the routed errors and GPTQ Hessians, probe (B, T) the factors."""
+    bits = {s.label: s.bits for s in schemes}
+    check_budget(budget, bits)
+    routed = capture_routing(model, calibration)
+    candidates = quantize_candidates(model, routed, schemes, method, progress=progress)
+    errors = expert_errors(model, routed, candidates)
+    factors, kls = calibrate_factors(model, probe, candidates, errors, min(bits, key=bits.get), progress=progress)
+    sizes = {k: expert_size(e) for k, e in experts_of(model).items()}
+    assignment = natscale_allocation(factors, errors, sizes, bits, budget)
+    by_label = {s.label: s for s in schemes}
+    layer_schemes = {f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": by_label[label]
+                     for (layer, e), label in assignment.items() for p in PROJECTIONS}
+    report = {"method": "natscale", "budget_bits": budget, "average_bits": average_bits(assignment, sizes, bits),
+              "predicted_kl": predicted_kl(factors, errors, assignment), "candidates": sorted(bits, key=bits.get),
+              "experts": {f"{layer}.{e}": {"scheme": label, "factor": factors[(layer, e)],
+                                            "probe_kl": kls[(layer, e)]}
+                          for (layer, e), label in sorted(assignment.items())}}
+    return layer_schemes, report

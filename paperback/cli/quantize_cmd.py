@@ -50,6 +50,14 @@ def register(sub) -> None:
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expert-bits", type=float, default=None,
+                   help="MoE models: average code bits per routed-expert weight, each expert's scheme chosen by "
+                        "NatScale (its routed error weighted by a KL-calibrated factor, solved exactly); the other "
+                        "layers take --bits/--group-size (docs/moe.md)")
+    p.add_argument("--expert-schemes", default="W2a-g64,W3a-g64,W4a-g64,W8a-g64",
+                   help="candidate schemes for --expert-bits (default W2a-g64,W3a-g64,W4a-g64,W8a-g64)")
+    p.add_argument("--expert-probe-samples", type=int, default=4,
+                   help="--expert-bits: calibration sequences each expert's KL probe runs on (default 4)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -83,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
     # AWQ searches on fewer sequences; the recipe records what was used.
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
     calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
+    expert_schemes = _expert_schemes(args)  # a bad budget or candidate is refused before the model loads
     lm = load_model(args.model, "fp32")
-    summary = quantize_to_checkpoint(lm, config, calib_cfg, args.output, args.overwrite, progress=not args.json)
+    extra = None
+    if expert_schemes:
+        config, extra = _natscale(lm, args, config, expert_schemes, calib_cfg)
+    summary = quantize_to_checkpoint(lm, config, calib_cfg, args.output, args.overwrite, progress=not args.json,
+                                     extra_recipe=extra)
     if args.json:
         print_json(summary)
     else:
@@ -92,3 +105,41 @@ def run(args: argparse.Namespace) -> int:
                     [[k, f"{v:.3f}" if isinstance(v, float) else v] for k, v in summary.items()])
         note(f"use it with: paperback eval {args.output}")
     return 0
+
+
+def _expert_schemes(args: argparse.Namespace) -> list:
+    """The candidates of --expert-bits (checked with its budget), or [] without it."""
+    from paperback.allocate.experts import check_budget
+    from paperback.cli.common import split_list
+    from paperback.errors import PaperbackError
+    from paperback.plan.planner import parse_weight_scheme
+    from paperback.quantization import QuantScheme
+
+    if args.expert_bits is None:
+        return []
+    if args.method == "awq":
+        raise PaperbackError("--expert-bits quantizes experts by gptq or rtn; AWQ does not take MoE models yet")
+    schemes = [parse_weight_scheme(label) for label in split_list(args.expert_schemes)]
+    if not schemes or not all(isinstance(s, QuantScheme) for s in schemes):
+        raise PaperbackError(f"--expert-schemes {args.expert_schemes!r} must list quantization schemes (W4a-g64, ...)")
+    check_budget(args.expert_bits, {s.label: s.bits for s in schemes})
+    return schemes
+
+
+def _natscale(lm, args, config, schemes, calib_cfg):
+    """config with each routed expert's scheme chosen by NatScale, and the recipe entry saying how."""
+    import dataclasses
+
+    from paperback.allocate.experts import natscale_schemes
+    from paperback.errors import UnsupportedModelError
+    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+
+    if lm.config.moe is None:
+        raise UnsupportedModelError(f"--expert-bits needs a mixture-of-experts model; {lm.source.label} is dense")
+    calibration = calibration_batch(lm.tokenizer, calib_cfg)
+    probe = calibration_batch(lm.tokenizer, CalibrationConfig(calib_cfg.corpus, args.expert_probe_samples,
+                                                              calib_cfg.seq_len, calib_cfg.seed + 1))
+    layer_schemes, report = natscale_schemes(lm.model, calibration, probe, schemes, args.expert_bits, args.method,
+                                             progress=not args.json)
+    return dataclasses.replace(config, layer_schemes={**config.layer_schemes, **layer_schemes}), \
+        {"expert_allocation": report}

@@ -87,3 +87,38 @@ def test_budgets_below_two_bits_are_refused(study):
         ea.natscale_allocation(factors, errors, sizes, BITS, 1.5)
     with pytest.raises(PaperbackError, match="below the 2 bits"):
         ea.ranking_allocation(factors, sizes, BITS, 1.9)
+
+
+def test_quantize_cli_allocates_expert_bits_with_natscale(tmp_path, smollm2, capsys):
+    import json
+
+    from paperback.cli import main
+    from paperback.quantization.qlinear import QuantLinear
+
+    tiny_moe_hf("mixtral", vocab_size=smollm2.config.vocab_size).save_pretrained(tmp_path / "moe")
+    smollm2.tokenizer.hf.save_pretrained(tmp_path / "moe")
+    out = tmp_path / "q"
+    assert main(["quantize", str(tmp_path / "moe"), "-o", str(out), "--method", "gptq", "--bits", "8",
+                 "--group-size", "32", "--expert-bits", "3", "--expert-schemes", "W2a-g32,W3a-g32,W4a-g32,W8a-g32",
+                 "--calib-samples", "4", "--calib-len", "64", "--expert-probe-samples", "2", "--json"]) == 0
+    recipe = json.loads((out / "recipe.json").read_text())
+    report = recipe["expert_allocation"]
+    assert report["method"] == "natscale" and report["average_bits"] <= 3.0 + 1e-9
+    assert len(report["experts"]) == 3 * 6
+    schemes = {e["scheme"] for e in report["experts"].values()}
+    assert schemes <= {"W2a-g32", "W3a-g32", "W4a-g32", "W8a-g32"}
+    lm = load_model(str(out))
+    layer, expert = map(int, next(iter(report["experts"])).split("."))
+    down = lm.model.model.layers[layer].mlp.experts[expert].down_proj
+    assert isinstance(down, QuantLinear) and down.scheme.label == report["experts"][f"{layer}.{expert}"]["scheme"]
+    assert lm.model.model.layers[0].self_attn.q_proj.scheme.bits == 8
+
+
+def test_quantize_cli_refuses_bad_expert_budgets_before_loading(tmp_path, capsys):
+    from paperback.cli import main
+
+    assert main(["quantize", "no-such-model", "-o", str(tmp_path / "a"), "--expert-bits", "1.5"]) == 2
+    assert "below the 2 bits" in capsys.readouterr().err
+    assert main(["quantize", "smollm2", "-o", str(tmp_path / "b"), "--expert-bits", "3", "--method", "rtn",
+                 "--calib-samples", "2"]) == 2
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err
