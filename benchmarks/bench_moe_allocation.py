@@ -5,7 +5,8 @@
 
 paperback loads no downloadable MoE model here, so the test models are made from the bundled SmolLM2 by
 `paperback moefy` (each MLP split into experts; docs/moe.md) and kept under ~/.cache/paperback/moefied/.
-Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB).
+Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB);
+part kv serves each through the paged engine with every KV format (`paperback eval --kv F --paged`).
 Part allocation quantizes every routed expert at W2/W3/W4/W8 (asymmetric, groups of 64; GPTQ on the
 calibration tokens routed to it), and for each budget of average code bits per expert weight compares:
 NatScale (knapsack over errors weighted by KL-calibrated factors), uniform bits, ranking by routing
@@ -91,6 +92,7 @@ def allocation_study(lm, args, tokens: dict) -> dict:
     timings["candidates_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
     factors, kls = ea.calibrate_factors(model, probe, candidates, errors, SCHEMES[0].label)
+    anchors = ea.scheme_anchors(model, probe, candidates, factors, errors, [s.label for s in SCHEMES[:-1]])
     timings["calibration_seconds"] = time.perf_counter() - start
     signals = ea.expert_signals(model, routed)
     sizes = {k: ea.expert_size(e) for k, e in ea.experts_of(model).items()}
@@ -100,6 +102,8 @@ def allocation_study(lm, args, tokens: dict) -> dict:
     rows = []
     for budget in args.budgets:
         allocations = {"natscale": ea.natscale_allocation(factors, errors, sizes, bits, budget),
+                       # ablation: each scheme's cost scaled by how the probe's all-experts KL departs from the sum
+                       "natscale+anchors": ea.natscale_allocation(factors, errors, sizes, bits, budget, anchors),
                        "uniform": ea.uniform_allocation(keys, sizes, bits, budget),
                        **{name: ea.ranking_allocation(signals[name], sizes, bits, budget)
                           for name in ("frequency", "weight_norm", "kurtosis")},
@@ -115,9 +119,34 @@ def allocation_study(lm, args, tokens: dict) -> dict:
                 row["assignment"] = {f"{layer}.{e}": label for (layer, e), label in assignment.items()}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "assignment"}), flush=True)
-    return {"rows": rows, **timings,
+    return {"rows": rows, **timings, "anchors": anchors,
             "experts": [{"layer": k[0], "expert": k[1], "factor": factors[k], "probe_kl": kls[k],
                          "errors": errors[k], **{name: signals[name][k] for name in signals}} for k in keys]}
+
+
+KV_FORMATS = ("fp16", "fp8", "int8", "int4", "int2", "kivi4", "kivi2", "pnmix")
+
+
+def kv_formats(path: Path, windows: int) -> dict:
+    """Each KV format read back from the serving engine's paged blocks (`paperback eval --kv F --paged`): KL to
+    the same model with an exact cache, on WikiText-2."""
+    import contextlib
+    import io
+
+    from paperback.cli import main as paperback_cli
+
+    out = {}
+    for spec in KV_FORMATS:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = paperback_cli(["eval", str(path), "--kv", spec, "--paged", "--max-windows", str(windows),
+                                  "--context", "512", "--json"])
+        if code:
+            raise SystemExit(f"eval --kv {spec} failed")
+        [result] = json.loads(printed.getvalue())["results"]
+        out[spec] = {"kl": result["kl_divergence"], "perplexity": result["perplexity"]}
+        print(json.dumps({"kv": spec, **out[spec]}), flush=True)
+    return out
 
 
 def summarize(study: dict, seeds: int) -> list[dict]:
@@ -197,7 +226,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--probe-samples", type=int, default=4)
-    parser.add_argument("--part", choices=["all", "moefy", "allocation"], default="all")
+    parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv"], default="all")
     parser.add_argument("--threads", type=int, default=2)
     add_tag_arg(parser)
     args = parser.parse_args()
@@ -207,7 +236,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     dense = load_model("smollm2")
     tokens = {d: dense.tokenizer.encode(load_text(d)) for d in DATASETS}
-    out_name = results_name("moe_allocation" if args.part != "moefy" else "moefy_quality", args.tag)
+    out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv"}.get(args.part, "moe_allocation"), args.tag)
     previous = Path(__file__).parent / "results" / out_name
     results = json.loads(previous.read_text()) if previous.is_file() else {"models": {}}
     results.update(windows=args.windows, context=512, schemes=[s.label for s in SCHEMES])
@@ -223,6 +252,8 @@ def main() -> int:
             print(json.dumps({"model": name, **entry["quality"]}), flush=True)
         if args.part in ("all", "allocation"):
             entry["allocation"] = allocation_study(lm, args, tokens)
+        if args.part == "kv":
+            entry["kv"] = kv_formats(CACHE / name, args.windows)
         write_results(out_name, results)
     warn_if_busy(args.threads)
     for name, entry in results["models"].items():
@@ -232,6 +263,10 @@ def main() -> int:
                         "dense perplexity", "KL", "top-1 agree"],
                         [[d, f"{q[d]['perplexity']:.2f}", f"{q[d]['reference_perplexity']:.2f}", f"{q[d]['kl']:.4f}",
                           f"{q[d]['top1']:.3f}"] for d in DATASETS])
+        if "kv" in entry:
+            print_table(f"{name}: KV formats from paged blocks (WikiText-2, KL to an exact cache)",
+                        ["KV format", "KL", "perplexity"],
+                        [[spec, f"{r['kl']:.5f}", f"{r['perplexity']:.2f}"] for spec, r in entry["kv"].items()])
         if "allocation" in entry:
             print_table(f"{name}: expert bits (KL to the unquantized MoE; perplexity)",
                         ["bits", "method", "avg bits", "predicted KL", *[f"{d} KL" for d in DATASETS],

@@ -210,6 +210,22 @@ def calibrate_factors(model, probe: torch.Tensor, candidates: dict[Key, dict[str
     return factors, kls
 
 
+def scheme_anchors(model, probe: torch.Tensor, candidates: dict[Key, dict[str, dict]], factors: dict[Key, float],
+                   errors: dict[Key, dict[str, float]], labels: list[str]) -> dict[str, float]:
+    """{scheme: measured KL / predicted KL with every expert at that scheme} on `probe` (B, T): how far the
+    one-expert-at-a-time factors under- or over-state the cost of many experts quantized together, per
+    scheme (errors of many experts compound; at 2 bits, more than they add)."""
+    with torch.no_grad():
+        reference = torch.log_softmax(model(probe).float(), dim=-1)
+        anchors = {}
+        for label in labels:
+            predicted = predicted_kl(factors, errors, {k: label for k in factors})
+            with assigned(model, candidates, {k: label for k in factors}):
+                measured = _kl(reference, model(probe))
+            anchors[label] = measured / predicted if predicted > 0 and measured > 0 else 1.0
+    return anchors
+
+
 def check_budget(budget: float, bits: dict[str, int]) -> None:
     if not math.isfinite(budget) or budget < MIN_BUDGET_BITS:
         raise PaperbackError(f"a budget of {budget:g} average bits per expert weight is below the {MIN_BUDGET_BITS:g} "
@@ -220,10 +236,13 @@ def check_budget(budget: float, bits: dict[str, int]) -> None:
 
 
 def natscale_allocation(factors: dict[Key, float], errors: dict[Key, dict[str, float]], sizes: dict[Key, int],
-                        bits: dict[str, int], budget: float) -> dict[Key, str]:
-    """The assignment of least predicted KL (sum of factor x error) within `budget` average bits, exactly."""
+                        bits: dict[str, int], budget: float, anchors: dict[str, float] | None = None) -> dict[Key, str]:
+    """The assignment of least predicted KL (sum of factor x error, each scheme's cost times its anchor when
+    given: `scheme_anchors`) within `budget` average bits, exactly."""
     check_budget(budget, bits)
-    groups = [Group(f"{k[0]}.{k[1]}", tuple(Option(label, sizes[k] * bits[label], factors[k] * errors[k][label])
+    anchors = anchors or {}
+    groups = [Group(f"{k[0]}.{k[1]}", tuple(Option(label, sizes[k] * bits[label],
+                                                   anchors.get(label, 1.0) * factors[k] * errors[k][label])
                                             for label in bits)) for k in factors]
     # The solver keeps 1e-6 of its largest option below the capacity (HiGHS's tolerance); that sliver back, so
     # an assignment that spends the budget exactly (every expert at a budget that is a candidate) stays allowed.

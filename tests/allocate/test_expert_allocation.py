@@ -122,3 +122,15 @@ def test_quantize_cli_refuses_bad_expert_budgets_before_loading(tmp_path, capsys
     assert main(["quantize", "smollm2", "-o", str(tmp_path / "b"), "--expert-bits", "3", "--method", "rtn",
                  "--calib-samples", "2"]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
+
+
+def test_scheme_anchors_scale_each_schemes_cost(study):
+    model, routed, candidates, errors, factors, kls, sizes = study
+    labels = [s.label for s in SCHEMES[:3]]
+    anchors = ea.scheme_anchors(model, torch.randint(0, 256, (2, 32)), candidates, factors, errors, labels)
+    assert set(anchors) == set(labels) and all(a > 0 for a in anchors.values())
+    # an anchor that makes W2 dear moves experts off W2 at the same budget
+    plain = ea.natscale_allocation(factors, errors, sizes, BITS, 3.0)
+    dear = ea.natscale_allocation(factors, errors, sizes, BITS, 3.0, anchors={"W2a-g32": 100.0})
+    assert sum(v == "W2a-g32" for v in dear.values()) <= sum(v == "W2a-g32" for v in plain.values())
+    assert ea.average_bits(dear, sizes, BITS) <= 3.0 + 1e-9
