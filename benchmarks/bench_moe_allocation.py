@@ -149,7 +149,7 @@ def kv_formats(path: Path, windows: int) -> dict:
     return out
 
 
-def summarize(study: dict, seeds: int) -> list[dict]:
+def summarize(study: dict) -> list[dict]:
     """Per budget and method: mean over random seeds collapsed into one 'random' row (its worst seed kept)."""
     out = []
     for budget in sorted({r["budget"] for r in study["rows"]}):
@@ -174,7 +174,7 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(models), 3, figsize=(16, 4.6 * len(models)), squeeze=False)
     for row, name in enumerate(models):
         study = results["models"][name]["allocation"]
-        summary = summarize(study, 0)
+        summary = summarize(study)
         for col, dataset in enumerate(DATASETS):
             ax = axes[row][col]
             for method in dict.fromkeys(r["method"] for r in summary):
@@ -273,7 +273,7 @@ def main() -> int:
                          *[f"{d} ppl" for d in DATASETS]],
                         [[f"{r['budget']:g}", r["method"], f"{r['average_bits']:.3f}", f"{r['predicted_kl']:.4f}",
                           *[f"{r[f'{d}_kl']:.4f}" for d in DATASETS], *[f"{r[f'{d}_perplexity']:.2f}" for d in DATASETS]]
-                         for r in summarize(entry["allocation"], args.seeds)])
+                         for r in summarize(entry["allocation"])])
     if any("allocation" in e for e in results["models"].values()):
         figure = Path(__file__).parent / "results" / out_name.replace(".json", ".png")
         plot(results, figure)

@@ -118,6 +118,14 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         weight.shape)
 
 
+def _finish_gguf(writer, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str = "llama",
                      shape_override: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
     """Write a transformers Llama model as a GGUF file in llama.cpp's layout.
@@ -170,11 +178,7 @@ def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str =
                 writer.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish_gguf(writer, path)
 
 
 # transformers MoE model type -> (GGUF architecture, whether llama.cpp permutes q/k rows)
@@ -261,11 +265,7 @@ def write_moe_gguf(hf_model, path: Path, drop: tuple[str, ...] = (), metadata: d
     for gname, arr in tensors.items():
         if gname not in drop:
             writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish_gguf(writer, path)
 
 
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

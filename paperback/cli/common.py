@@ -46,6 +46,22 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
     # paperback.cli.main applies both around the command
 
 
+def add_calibration_args(parser: argparse.ArgumentParser, samples: int) -> None:
+    """--calib, --calib-samples, --calib-len and --seed: the text a calibrated command reads (never an evaluation
+    text by default)."""
+    parser.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
+    parser.add_argument("--calib-samples", type=int, default=samples, help=f"sequences (default {samples})")
+    parser.add_argument("--calib-len", type=int, default=512, help="tokens per sequence (default 512)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def calibration_config(args: argparse.Namespace, samples: int | None = None):
+    """The CalibrationConfig of add_calibration_args' options (`samples` overriding --calib-samples)."""
+    from paperback.quantization.calibration import CalibrationConfig
+
+    return CalibrationConfig(args.calib, samples or args.calib_samples, args.calib_len, args.seed)
+
+
 def add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
 

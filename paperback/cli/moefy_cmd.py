@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.common import add_calibration_args, add_json_arg, add_model_arg, calibration_config
 from paperback.cli.output import note, print_json, print_table
 
 
@@ -25,10 +25,7 @@ def register(sub) -> None:
     p.add_argument("--shared-fraction", type=float, default=0.0,
                    help="share of each MLP's neurons in an always-on shared expert (Qwen2-MoE layout; default 0)")
     p.add_argument("--no-compensate", action="store_true", help="keep the dense down projections (scaled by k)")
-    p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
-    p.add_argument("--calib-samples", type=int, default=32)
-    p.add_argument("--calib-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    add_calibration_args(p, samples=32)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of the written weights (default float32)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -41,10 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from paperback.export.hf_dir_export import save_hf_dir
     from paperback.loading import load_model
     from paperback.moefy.build import MoefyConfig, moefy
-    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+    from paperback.quantization.calibration import calibration_batch
 
     config = MoefyConfig(args.experts, args.top_k, args.shared_fraction, not args.no_compensate,
-                         calibration=CalibrationConfig(args.calib, args.calib_samples, args.calib_len, args.seed),
+                         calibration=calibration_config(args),
                          seed=args.seed)
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:  # before any work
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")

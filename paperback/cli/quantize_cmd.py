@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg, add_model_arg
+from paperback.cli.common import add_calibration_args, add_json_arg, add_model_arg, calibration_config
 from paperback.cli.output import note, print_json, print_table
 from paperback.quantization.model_pass import METHODS
 
@@ -46,10 +46,7 @@ def register(sub) -> None:
     p.add_argument("--awq-samples", type=int, default=32,
                    help="AWQ: calibration sequences its scale and clip searches run on (default 32)")
     p.add_argument("--no-clip", action="store_true", help="AWQ: skip the weight-clipping search")
-    p.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
-    p.add_argument("--calib-samples", type=int, default=128)
-    p.add_argument("--calib-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    add_calibration_args(p, samples=128)
     p.add_argument("--expert-bits", type=float, default=None,
                    help="MoE models: average code bits per routed-expert weight, each expert's scheme chosen by "
                         "NatScale (its routed error weighted by a KL-calibrated factor, solved exactly); the other "
@@ -68,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
     from paperback.quantization import GPTQConfig, QuantScheme
     from paperback.quantization.awq import AWQConfig
-    from paperback.quantization.calibration import CalibrationConfig
     from paperback.plan.planner import parse_weight_scheme
     from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM, QuantizeConfig, parse_targets
     from paperback.quantization.pipeline import quantize_to_checkpoint
@@ -90,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                             layer_schemes={} if edge == scheme else {EMBED_PARAM: edge, HEAD_PARAM: edge})
     # AWQ searches on fewer sequences; the recipe records what was used.
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
-    calib_cfg = CalibrationConfig(args.calib, samples, args.calib_len, args.seed)
+    calib_cfg = calibration_config(args, samples)
     expert_schemes = _expert_schemes(args)  # a bad budget or candidate is refused before the model loads
     lm = load_model(args.model, "fp32")
     extra = None

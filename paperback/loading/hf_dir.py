@@ -188,8 +188,9 @@ class HFModelDir:
             name = _strip_language_prefix(name)
             yield (renamed(name, HF_MOE_RENAMES) if config.moe is not None else name), tensor
 
-    def tensor_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """{paperback name: shape} of every stored tensor, from the files' headers alone."""
+    def tensor_shapes(self, config: ModelConfig | None = None) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of every stored tensor, from the files' headers alone; with an MoE `config`, under
+        paperback's names."""
         from safetensors import SafetensorError, safe_open
 
         shapes = {}
@@ -198,7 +199,7 @@ class HFModelDir:
                 with safe_open(shard, framework="pt") as f:
                     for key in f.keys():
                         name = _strip_language_prefix(key)
-                        name = renamed(name, HF_MOE_RENAMES) if config.moe is not None else name
+                        name = renamed(name, HF_MOE_RENAMES) if config is not None and config.moe is not None else name
                         shapes[name] = tuple(f.get_slice(key).get_shape())
             except (SafetensorError, OSError) as exc:
                 raise ModelFileError(f"{shard} is not a readable safetensors file: {exc}") from None
@@ -206,16 +207,7 @@ class HFModelDir:
 
     def tensor_names(self) -> list[str]:
         """Every stored tensor's name (from the files' headers alone)."""
-        from safetensors import SafetensorError, safe_open
-
-        names = []
-        for shard in self.shards:
-            try:
-                with safe_open(shard, framework="pt") as f:
-                    names += [_strip_language_prefix(k) for k in f.keys()]
-            except (SafetensorError, OSError) as exc:
-                raise ModelFileError(f"{shard} is not a readable safetensors file: {exc}") from None
-        return names
+        return list(self.tensor_shapes())
 
 
 def read_safetensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, config.head_dim ** -0.5, unit_offset_norm=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = self.make_mlp(config, layer_idx)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return GatedMLP(config)
 
     def forward(self, x, cos, sin, start_pos, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
@@ -27,10 +30,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        layers = [LlamaDecoderLayer(config, i) for i in range(config.num_layers)]
+        layers = [self.layer_class(config, i) for i in range(config.num_layers)]
         self.model = DecoderBackbone(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
         self._init_head(config)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paperback.models.blocks import Attention, DecoderBackbone, DecoderLM, GatedMLP
+from paperback.models.blocks import GatedMLP
 from paperback.models.config import ModelConfig, MoEConfig
-from paperback.models.layers import RMSNorm, RotaryEmbedding
+from paperback.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Router(nn.Module):
@@ -110,27 +110,12 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, config.head_dim ** -0.5, unit_offset_norm=False)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoE(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """Llama's block with a mixture of experts for its MLP (or a dense MLP on the config's dense layers)."""
 
-    def forward(self, x, cos, sin, start_pos, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start_pos, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return SparseMoE(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
 
 
-class MoEForCausalLM(DecoderLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        layers = [MoEDecoderLayer(config, i) for i in range(config.num_layers)]
-        self.model = DecoderBackbone(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps))
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
-        self._init_head(config)
-
-    def rotary_for(self, layer_idx: int) -> RotaryEmbedding:
-        return self.rotary
+class MoEForCausalLM(LlamaForCausalLM):
+    layer_class = MoEDecoderLayer
