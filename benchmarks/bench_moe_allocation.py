@@ -1,20 +1,26 @@
 """Bits per MoE expert: NatScale against five allocations at the same bytes, on MoEfied SmolLM2 models.
 
     .venv/bin/python benchmarks/bench_moe_allocation.py [--models mixtral-e8k6 qwen2moe-e8k6-s25]
-        [--budgets 2.5 3 4] [--windows 16] [--seeds 3] [--part all|moefy|allocation] [--tag NAME]
+        [--budgets 2.5 3 4] [--windows 12] [--seeds 3] [--part all|moefy|allocation|kv|additivity]
+        [--recompute] [--markdown] [--tag NAME]
 
 paperback loads no downloadable MoE model here, so the test models are made from the bundled SmolLM2 by
 `paperback moefy` (each MLP split into experts; docs/moe.md) and kept under ~/.cache/paperback/moefied/.
 Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB);
-part kv serves each through the paged engine with every KV format (`paperback eval --kv F --paged`).
+part kv reads each back through the paged engine with every KV format (`paperback eval --kv F --paged`) and
+answers a chat completion from `paperback serve --kv F`.
 Part allocation quantizes every routed expert at W2/W3/W4/W8 (asymmetric, groups of 64; GPTQ on the
 calibration tokens routed to it), and for each budget of average code bits per expert weight compares:
-NatScale (knapsack over errors weighted by KL-calibrated factors), uniform bits, ranking by routing
-frequency, by weight norm, by weight kurtosis, and random rankings (--seeds). Attention, embeddings and the
-shared expert stay unquantized: the study is the experts' bits. Calibration (Hessians, errors, factors) is
-on pydoc, never on the evaluation texts. Each allocation: KL to the unquantized MoE model and perplexity on
---windows windows of 512 tokens of WikiText-2 and of PTB. Writes benchmarks/results/moe_allocation[_tag].json
-and a plot beside it.
+NatScale (knapsack over KL-calibrated costs, priced in the budget's uniform context), uniform bits, ranking
+by routing frequency, by weight norm, by weight kurtosis, and random rankings (--seeds); the ablation
+"natscale (isolated)" sums one-expert-at-a-time costs instead. Part additivity measures why the ablation
+fails: each layer's experts quantized together against the sum of their isolated costs.
+Attention, embeddings and the shared expert stay unquantized: the study is the experts' bits. Calibration
+(Hessians, errors, factors, in-context costs) is on pydoc, never on the evaluation texts; the costly part
+(candidates and factors, ~10 minutes a model) is cached beside the model (--recompute measures it again).
+Each allocation: KL to the unquantized MoE model and perplexity on --windows windows of 512 tokens of
+WikiText-2 and of PTB. Writes benchmarks/results/moe_allocation[_tag].json (moefy_quality, moe_kv,
+moe_additivity for the other parts) and a plot beside it; --markdown prints the README's tables from it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ SETTINGS = {
 }
 SCHEMES = [QuantScheme(b, 64) for b in (2, 3, 4, 8)]
 DATASETS = ("wikitext2", "ptb")
+ABLATIONS = ("natscale (isolated)",)  # rows shown beside the six methods, not compared with them
 CACHE = Path.home() / ".cache" / "paperback" / "moefied"
 
 
@@ -78,53 +85,137 @@ def evaluate_on(model, reference, tokens: dict, windows: int, caches: dict) -> d
     return out
 
 
-def allocation_study(lm, args, tokens: dict) -> dict:
-    model = lm.model
-    reference = copy.deepcopy(model)  # the allocations swap expert weights of `model` in place
-    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
-                                                                     seed=1))
-    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> tuple:
+    """(candidates, errors, factors, probe KLs, timings): the study's costly part (about 10 minutes a model), kept under the MoEfied model's cache directory and reused while its settings are the same
+    (--recompute measures them again)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = CACHE / name / "natscale"
+    key = {"calib_samples": args.calib_samples, "probe_samples": args.probe_samples,
+           "schemes": [s.label for s in SCHEMES], "moefy": SETTINGS[name].to_dict()}
+    meta_path, tensors_path = folder / "study.json", folder / "candidates.safetensors"
+    if not args.recompute and meta_path.is_file() and tensors_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta["key"] == key:
+            flat = load_file(tensors_path)
+            candidates: dict = {}
+            for tensor_name, weight in flat.items():
+                layer, expert, label, projection = tensor_name.split("/")
+                candidates.setdefault((int(layer), int(expert)), {}).setdefault(label, {})[projection] = weight
+            keyed = {field: {tuple(map(int, k.split("."))): v for k, v in meta[field].items()}
+                     for field in ("errors", "factors", "kls")}
+            return candidates, keyed["errors"], keyed["factors"], keyed["kls"], {**meta["timings"], "cached": True}
+    for stale in folder.glob("context_*.json"):  # in-context costs of other candidates
+        stale.unlink()
     timings = {}
     start = time.perf_counter()
-    routed = ea.capture_routing(model, calibration)
     candidates = ea.quantize_candidates(model, routed, SCHEMES)
     errors = ea.expert_errors(model, routed, candidates)
     timings["candidates_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
     factors, kls = ea.calibrate_factors(model, probe, candidates, errors, SCHEMES[0].label)
-    anchors = ea.scheme_anchors(model, probe, candidates, factors, errors, [s.label for s in SCHEMES[:-1]])
     timings["calibration_seconds"] = time.perf_counter() - start
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"{k[0]}/{k[1]}/{label}/{p}": w.contiguous() for k, by_label in candidates.items()
+               for label, weights in by_label.items() for p, w in weights.items()}, tensors_path)
+    as_text = {field: {f"{k[0]}.{k[1]}": v for k, v in values.items()}
+               for field, values in (("errors", errors), ("factors", factors), ("kls", kls))}
+    meta_path.write_text(json.dumps({"key": key, "timings": timings, **as_text}))
+    return candidates, errors, factors, kls, {**timings, "cached": False}
+
+
+def budget_costs(name: str, model, probe: torch.Tensor, candidates: dict, errors: dict, factors: dict,
+                 context: dict, budget: float, args) -> tuple[float, dict, float]:
+    """(KL of the budget's uniform assignment, NatScale's in-context costs, seconds measuring them), cached
+    beside the study's inputs."""
+    path = CACHE / name / "natscale" / f"context_{budget:g}.json"
+    if not args.recompute and path.is_file():
+        saved = json.loads(path.read_text())
+        costs = {tuple(map(int, k.split("."))): v for k, v in saved["costs"].items()}
+        return saved["base"], costs, saved["seconds"]
+    start = time.perf_counter()
+    base, costs = ea.context_costs(model, probe, candidates, errors, factors, context)
+    seconds = time.perf_counter() - start
+    path.write_text(json.dumps({"base": base, "seconds": seconds,
+                                "costs": {f"{k[0]}.{k[1]}": v for k, v in costs.items()}}))
+    return base, costs, seconds
+
+
+def allocation_study(name: str, lm, args, tokens: dict) -> dict:
+    model = lm.model
+    reference = copy.deepcopy(model)  # the allocations swap expert weights of `model` in place
+    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
+                                                                     seed=1))
+    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    routed = ea.capture_routing(model, calibration)
+    candidates, errors, factors, kls, timings = study_inputs(name, model, routed, probe, args)
     signals = ea.expert_signals(model, routed)
     sizes = {k: ea.expert_size(e) for k, e in ea.experts_of(model).items()}
     bits = {s.label: s.bits for s in SCHEMES}
     keys = sorted(errors)
+    isolated = ea.isolated_costs(factors, errors)
     caches: dict = {}
     rows = []
     for budget in args.budgets:
-        allocations = {"natscale": ea.natscale_allocation(factors, errors, sizes, bits, budget),
-                       # ablation: each scheme's cost scaled by how the probe's all-experts KL departs from the sum
-                       "natscale+anchors": ea.natscale_allocation(factors, errors, sizes, bits, budget, anchors),
-                       "uniform": ea.uniform_allocation(keys, sizes, bits, budget),
-                       **{name: ea.ranking_allocation(signals[name], sizes, bits, budget)
-                          for name in ("frequency", "weight_norm", "kurtosis")},
+        uniform = ea.uniform_allocation(keys, sizes, bits, budget)
+        base, costs, timings[f"context_seconds_{budget:g}"] = budget_costs(name, model, probe, candidates, errors,
+                                                                           factors, uniform, budget, args)
+        allocations = {"natscale": ea.natscale_allocation(costs, sizes, bits, budget),
+                       # ablation: the one-expert-at-a-time costs, summed as if they added up
+                       "natscale (isolated)": ea.natscale_allocation(isolated, sizes, bits, budget),
+                       "uniform": uniform,
+                       **{signal: ea.ranking_allocation(signals[signal], sizes, bits, budget)
+                          for signal in ("frequency", "weight_norm", "kurtosis")},
                        **{f"random{seed}": ea.random_allocation(keys, sizes, bits, budget, seed)
                           for seed in range(args.seeds)}}
         for method, assignment in allocations.items():
             with torch.no_grad(), ea.assigned(model, candidates, assignment):
                 result = evaluate_on(model, reference, tokens, args.windows, caches)
             row = {"budget": budget, "method": method, "average_bits": ea.average_bits(assignment, sizes, bits),
-                   "predicted_kl": ea.predicted_kl(factors, errors, assignment), **{
+                   "predicted_kl": ea.predicted_kl(costs, assignment, base),
+                   "isolated_predicted_kl": ea.predicted_kl(isolated, assignment), **{
                        f"{d}_{k}": v for d, r in result.items() for k, v in r.items()}}
             if method == "natscale":
                 row["assignment"] = {f"{layer}.{e}": label for (layer, e), label in assignment.items()}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "assignment"}), flush=True)
-    return {"rows": rows, **timings, "anchors": anchors,
+    return {"rows": rows, **timings,
             "experts": [{"layer": k[0], "expert": k[1], "factor": factors[k], "probe_kl": kls[k],
                          "errors": errors[k], **{name: signals[name][k] for name in signals}} for k in keys]}
 
 
-KV_FORMATS = ("fp16", "fp8", "int8", "int4", "int2", "kivi4", "kivi2", "pnmix")
+def additivity(name: str, lm, args) -> dict:
+    """Do one-expert-at-a-time costs add up? On the probe: each layer's experts quantized together at each
+    scheme (the rest exact) against the sum of their isolated costs, and every expert at each scheme against
+    the sum over all of them."""
+    model = lm.model
+    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
+                                                                     seed=1))
+    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    candidates, errors, factors, _, _ = study_inputs(name, model, ea.capture_routing(model, calibration), probe, args)
+    isolated = ea.isolated_costs(factors, errors)
+    labels = [s.label for s in SCHEMES[:-1]]
+    layers, everything = [], {}
+    with torch.no_grad():
+        hidden_states, kl_from = ea.layer_runner(model, probe)
+        hidden = hidden_states()
+        for layer in sorted({k[0] for k in errors}):
+            for label in labels:
+                keys = [k for k in errors if k[0] == layer]
+                with ea.assigned(model, candidates, {k: label for k in keys}):
+                    joint = kl_from(layer, hidden)
+                layers.append({"layer": layer, "scheme": label, "joint_kl": joint,
+                               "sum_of_isolated": sum(isolated[k][label] for k in keys)})
+        for label in labels:
+            with ea.assigned(model, candidates, {k: label for k in errors}):
+                everything[label] = {"measured_kl": kl_from(0, hidden),
+                                     "sum_of_isolated": sum(isolated[k][label] for k in errors)}
+                everything[label]["sum_of_layers"] = sum(r["joint_kl"] for r in layers if r["scheme"] == label)
+            print(json.dumps({"model": name, "scheme": label, **everything[label]}), flush=True)
+    return {"layers": layers, "all_experts": everything}
+
+
+KV_FORMATS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2", "kivi4", "kivi2", "pnmix")
 
 
 def kv_formats(path: Path, windows: int) -> dict:
@@ -149,6 +240,48 @@ def kv_formats(path: Path, windows: int) -> dict:
     return out
 
 
+def serve_formats(path: Path) -> dict:
+    """`paperback serve DIR --kv F` for each KV format, answering one chat completion through the OpenAI API
+    (greedy, 24 tokens): {format: {"text", "completion_tokens", "seconds"}}."""
+    import socket
+    import subprocess
+
+    import httpx
+
+    out = {}
+    for spec in KV_FORMATS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = subprocess.Popen([sys.executable, "-m", "paperback", "serve", str(path), "--kv", spec,
+                                   "--port", str(port), "--kv-memory", "256MiB"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(600):
+                if server.poll() is not None:
+                    raise SystemExit(f"serve --kv {spec} exited: {server.stderr.read()[-2000:]}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            start = time.perf_counter()
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": path.name, "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            reply.raise_for_status()
+            body = reply.json()
+            out[spec] = {"text": body["choices"][0]["message"]["content"],
+                         "completion_tokens": body["usage"]["completion_tokens"],
+                         "seconds": time.perf_counter() - start}
+            print(json.dumps({"serve": spec, **out[spec]}), flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return out
+
+
 def summarize(study: dict) -> list[dict]:
     """Per budget and method: mean over random seeds collapsed into one 'random' row (its worst seed kept)."""
     out = []
@@ -161,8 +294,45 @@ def summarize(study: dict) -> list[dict]:
         if randoms:
             mean = {k: sum(r[k] for r in randoms) / len(randoms) for k in randoms[0]
                     if isinstance(randoms[0][k], float)}
-            out.append({**mean, "budget": budget, "method": f"random (mean of {len(randoms)})"})
+            worst = {f"{d}_kl_worst": max(r[f"{d}_kl"] for r in randoms) for d in DATASETS}
+            out.append({**mean, **worst, "budget": budget, "method": f"random (mean of {len(randoms)})"})
     return out
+
+
+def markdown(results: dict) -> str:
+    """The README's and docs/moe.md's tables from the JSON: per model, KL (perplexity) by budget and text, the
+    lowest KL of the six compared methods in bold (ablation rows in italics, outside the contest)."""
+    lines = []
+    for name, entry in results["models"].items():
+        if "allocation" not in entry:
+            continue
+        summary = summarize(entry["allocation"])
+        budgets = sorted({r["budget"] for r in summary})
+        methods = list(dict.fromkeys(r["method"] for r in summary))
+        best = {(b, d): min(r[f"{d}_kl"] for r in summary if r["budget"] == b and r["method"] not in ABLATIONS)
+                for b in budgets for d in DATASETS}
+        lines += [f"**{name}** (KL to the unquantized MoE, nats/token; perplexity in brackets; random: mean of "
+                  "its seeds / worst seed)", "",
+                  "| method | " + " | ".join(f"{b:g} bits: {d}" for b in budgets for d in DATASETS) + " |",
+                  "|---" * (1 + len(budgets) * len(DATASETS)) + "|"]
+        for method in methods:
+            cells = []
+            for b in budgets:
+                r = next(r for r in summary if r["method"] == method and r["budget"] == b)
+                for d in DATASETS:
+                    kl = f"{r[f'{d}_kl']:.3f}" + (f" / {r[f'{d}_kl_worst']:.3f}" if f"{d}_kl_worst" in r else "")
+                    cell = f"{kl} ({r[f'{d}_perplexity']:.1f})"
+                    if method in ABLATIONS:
+                        cell = f"*{cell}*"
+                    elif r[f"{d}_kl"] == best[(b, d)]:
+                        cell = f"**{cell}**"
+                    cells.append(cell)
+            label = ("random" if method.startswith("random") else method).replace("_", " ")
+            lines.append(f"| {f'*{label}*' if method in ABLATIONS else label} | " + " | ".join(cells) + " |")
+        wins = sum(next(r for r in summary if r["method"] == "natscale" and r["budget"] == b)[f"{d}_kl"] == best[(b, d)]
+                   for b in budgets for d in DATASETS)
+        lines += ["", f"NatScale lowest in {wins} of {len(best)} settings.", ""]
+    return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -226,17 +396,26 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--probe-samples", type=int, default=4)
-    parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv"], default="all")
+    parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv", "additivity"], default="all")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the results' tables as markdown from the JSON, without running anything")
+    parser.add_argument("--recompute", action="store_true",
+                        help="measure the expert candidates and factors again instead of reusing the cached ones")
     add_tag_arg(parser)
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads((Path(__file__).parent / "results" / results_name("moe_allocation", args.tag)
+                                   ).read_text())))
+        return 0
     for budget in args.budgets:
         ea.check_budget(budget, {s.label: s.bits for s in SCHEMES})
     warn_if_busy()
     torch.set_num_threads(args.threads)
     dense = load_model("smollm2")
     tokens = {d: dense.tokenizer.encode(load_text(d)) for d in DATASETS}
-    out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv"}.get(args.part, "moe_allocation"), args.tag)
+    out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv", "additivity": "moe_additivity"}.get(
+        args.part, "moe_allocation"), args.tag)
     previous = Path(__file__).parent / "results" / out_name
     results = json.loads(previous.read_text()) if previous.is_file() else {"models": {}}
     results.update(windows=args.windows, context=512, schemes=[s.label for s in SCHEMES])
@@ -251,9 +430,12 @@ def main() -> int:
                 entry["quality"] = evaluate_on(lm.model, dense.model, tokens, args.windows, {})
             print(json.dumps({"model": name, **entry["quality"]}), flush=True)
         if args.part in ("all", "allocation"):
-            entry["allocation"] = allocation_study(lm, args, tokens)
+            entry["allocation"] = allocation_study(name, lm, args, tokens)
+        if args.part == "additivity":
+            entry["additivity"] = additivity(name, lm, args)
         if args.part == "kv":
             entry["kv"] = kv_formats(CACHE / name, args.windows)
+            entry["serve"] = serve_formats(CACHE / name)
         write_results(out_name, results)
     warn_if_busy(args.threads)
     for name, entry in results["models"].items():
@@ -267,6 +449,15 @@ def main() -> int:
             print_table(f"{name}: KV formats from paged blocks (WikiText-2, KL to an exact cache)",
                         ["KV format", "KL", "perplexity"],
                         [[spec, f"{r['kl']:.5f}", f"{r['perplexity']:.2f}"] for spec, r in entry["kv"].items()])
+        if "serve" in entry:
+            print_table(f"{name}: `paperback serve --kv F`, one chat completion (greedy)", ["KV format", "tokens",
+                        "seconds", "answer"], [[spec, r["completion_tokens"], f"{r['seconds']:.2f}", r["text"][:60]]
+                                               for spec, r in entry["serve"].items()])
+        if "additivity" in entry:
+            print_table(f"{name}: do isolated expert costs add up? (probe KL)", ["scheme", "all experts measured",
+                        "sum of layers measured", "sum of isolated"],
+                        [[label, f"{r['measured_kl']:.4f}", f"{r['sum_of_layers']:.4f}", f"{r['sum_of_isolated']:.4f}"]
+                         for label, r in entry["additivity"]["all_experts"].items()])
         if "allocation" in entry:
             print_table(f"{name}: expert bits (KL to the unquantized MoE; perplexity)",
                         ["bits", "method", "avg bits", "predicted KL", *[f"{d} KL" for d in DATASETS],

@@ -2,16 +2,21 @@
 
 An MoE model runs k experts a token but stores them all, so which expert gets how many bits decides what fits.
 NatScale predicts the model's loss of an assignment as a sum over experts of each expert's quantization error
-weighted by a calibrated factor, and picks the assignment of least predicted loss exactly (a multiple-choice
+weighted by a calibrated factor (its cost), and picks the assignment of least predicted loss exactly (a multiple-choice
 knapsack, `allocate.solver`):
 
-    predicted KL = sum_e  w_e * err_e(s_e),   sum_e size_e * bits(s_e) <= budget * sum_e size_e
+    predicted KL = sum_e  cost_e(s_e),   sum_e size_e * bits(s_e) <= budget * sum_e size_e
 
 err_e(s) is the expert's output error on the calibration tokens routed to it, weighted by their routing
 weights (sum_t r_te^2 ||E_s(x_t) - E(x_t)||^2 / tokens); w_e is measured, not ranked: the KL of the model's
 output distribution when expert e alone is quantized at a probe scheme, divided by its err_e there. A rarely
 routed expert can still matter (a late layer, a large output), a frequent one can be robust; the factor says
 how much, in nats per unit of error.
+
+Measured one expert at a time, those costs do not add up (many quantized experts saturate the KL; its slope
+per unit of error differs between W2 and W4), so the knapsack prices each move where it will land
+(`context_costs`): from the budget's uniform assignment, each layer's experts are moved together to each
+candidate and the probe's KL change is measured, then split among them by w_e x their change of err_e.
 
 The baselines rank experts by one signal (routing frequency, weight norm, weight kurtosis, a random order)
 and give the top of the ranking the candidate just above the budget and the rest the one just below, in the
@@ -184,46 +189,83 @@ def calibrate_factors(model, probe: torch.Tensor, candidates: dict[Key, dict[str
     quantized at `probe_label` and the model runs on `probe` (B, T) from that expert's layer on (the layers
     before it are unchanged, so their outputs are computed once); KL to the unquantized model's next-token
     distribution, mean over tokens."""
-    layers = model.model.layers
-    positions = torch.arange(probe.shape[1])
     with torch.no_grad():
-        hidden = [model.embed(probe)]
-        for idx, layer in enumerate(layers):
-            cos, sin = model.rotary_for(idx)(positions, model.dtype)
-            hidden.append(layer(hidden[-1], cos, sin, 0, None))
-        reference = torch.log_softmax(model.logits(model.model.norm(hidden[-1])).float(), dim=-1)
-
-        def kl_from(start: int) -> float:
-            x = hidden[start]
-            for idx in range(start, len(layers)):
-                cos, sin = model.rotary_for(idx)(positions, model.dtype)
-                x = layers[idx](x, cos, sin, 0, None)
-            return _kl(reference, model.logits(model.model.norm(x)))
-
+        hidden_states, kl_from = layer_runner(model, probe)
+        hidden = hidden_states()
         factors, kls = {}, {}
         for key in tqdm(experts_of(model), desc="calibrating experts", unit="expert",
                         disable=None if progress else True, leave=False):
             with assigned(model, candidates, {key: probe_label}):
-                kls[key] = max(kl_from(key[0]), 0.0)
+                kls[key] = max(kl_from(key[0], hidden), 0.0)
             error = errors[key][probe_label]
             factors[key] = kls[key] / error if error > 0 else 0.0
     return factors, kls
 
 
-def scheme_anchors(model, probe: torch.Tensor, candidates: dict[Key, dict[str, dict]], factors: dict[Key, float],
-                   errors: dict[Key, dict[str, float]], labels: list[str]) -> dict[str, float]:
-    """{scheme: measured KL / predicted KL with every expert at that scheme} on `probe` (B, T): how far the
-    one-expert-at-a-time factors under- or over-state the cost of many experts quantized together, per
-    scheme (errors of many experts compound; at 2 bits, more than they add)."""
+def layer_runner(model, probe: torch.Tensor):
+    """(hidden_states() -> every layer's input and the last output on `probe` (B, T) as the model stands,
+    kl_from(start, hidden) -> KL to the model as it stood at this call, run from layer `start` on those hidden
+    states): the layers before a changed one need not run again."""
+    layers = model.model.layers
+    positions = torch.arange(probe.shape[1])
+    rotary = [model.rotary_for(idx)(positions, model.dtype) for idx in range(len(layers))]
+
+    def hidden_states() -> list[torch.Tensor]:
+        hidden = [model.embed(probe)]
+        for idx, layer in enumerate(layers):
+            hidden.append(layer(hidden[-1], *rotary[idx], 0, None))
+        return hidden
+
+    def kl_from(start: int, hidden: list[torch.Tensor]) -> float:
+        x = hidden[start]
+        for idx in range(start, len(layers)):
+            x = layers[idx](x, *rotary[idx], 0, None)
+        return _kl(reference, model.logits(model.model.norm(x)))
+
+    reference = torch.log_softmax(model.logits(model.model.norm(hidden_states()[-1])).float(), dim=-1)
+    return hidden_states, kl_from
+
+
+def context_costs(model, probe: torch.Tensor, candidates: dict[Key, dict[str, dict]],
+                  errors: dict[Key, dict[str, float]], factors: dict[Key, float], context: dict[Key, str],
+                  progress: bool = True) -> tuple[float, dict[Key, dict[str, float]]]:
+    """(KL of the `context` assignment, {expert: {scheme: predicted change of KL when it moves there}}).
+
+    Costs measured one expert at a time, with every other expert exact, do not add up: errors of many
+    quantized experts saturate the output's KL, and the KL per unit of error is not the same at W2 as at W4
+    (measured on MoEfied SmolLM2: 8 experts of a layer at W2 cost 0.4 x the sum of their single KLs, at W4
+    2.4 x). So the costs are measured where the allocation will land: with every expert at `context` (the
+    uniform assignment of the budget), each layer's experts are moved together to each scheme and the probe's
+    KL change is measured; the change is split among the layer's experts by factor x change of routed error."""
+    labels = sorted({label for per_scheme in errors.values() for label in per_scheme})
+    by_layer: dict[int, list[Key]] = {}
+    for key in sorted(errors):
+        by_layer.setdefault(key[0], []).append(key)
+    costs: dict[Key, dict[str, float]] = {key: {} for key in errors}
     with torch.no_grad():
-        reference = torch.log_softmax(model(probe).float(), dim=-1)
-        anchors = {}
-        for label in labels:
-            predicted = predicted_kl(factors, errors, {k: label for k in factors})
-            with assigned(model, candidates, {k: label for k in factors}):
-                measured = _kl(reference, model(probe))
-            anchors[label] = measured / predicted if predicted > 0 and measured > 0 else 1.0
-    return anchors
+        hidden_states, kl_from = layer_runner(model, probe)  # the reference: the unquantized model
+    with torch.no_grad(), assigned(model, candidates, context):
+        hidden = hidden_states()
+        base = kl_from(len(model.model.layers), hidden)
+        steps = [(layer, label) for layer in by_layer for label in labels]
+        for layer, label in tqdm(steps, desc="calibrating in context", unit="move", disable=None if progress else True,
+                                 leave=False):
+            keys = by_layer[layer]
+            moved = {key: label for key in keys if context[key] != label}
+            change = 0.0
+            if moved:
+                with assigned(model, candidates, moved):
+                    change = kl_from(layer, hidden) - base
+            weighted = {key: factors[key] * (errors[key][label] - errors[key][context[key]]) for key in keys}
+            total = sum(weighted.values())
+            for key in keys:
+                costs[key][label] = change * weighted[key] / total if total else 0.0
+    return base, costs
+
+
+def isolated_costs(factors: dict[Key, float], errors: dict[Key, dict[str, float]]) -> dict[Key, dict[str, float]]:
+    """{expert: {scheme: factor x routed error}}: the one-expert-at-a-time prediction, summed as if additive."""
+    return {key: {label: factors[key] * error for label, error in errors[key].items()} for key in errors}
 
 
 def check_budget(budget: float, bits: dict[str, int]) -> None:
@@ -235,24 +277,22 @@ def check_budget(budget: float, bits: dict[str, int]) -> None:
                              f"({min(bits.values())} bits)")
 
 
-def natscale_allocation(factors: dict[Key, float], errors: dict[Key, dict[str, float]], sizes: dict[Key, int],
-                        bits: dict[str, int], budget: float, anchors: dict[str, float] | None = None) -> dict[Key, str]:
-    """The assignment of least predicted KL (sum of factor x error, each scheme's cost times its anchor when
-    given: `scheme_anchors`) within `budget` average bits, exactly."""
+def natscale_allocation(costs: dict[Key, dict[str, float]], sizes: dict[Key, int], bits: dict[str, int],
+                        budget: float) -> dict[Key, str]:
+    """The assignment of least predicted KL (the sum of its experts' costs: `context_costs`, or
+    `isolated_costs`) within `budget` average bits, exactly."""
     check_budget(budget, bits)
-    anchors = anchors or {}
-    groups = [Group(f"{k[0]}.{k[1]}", tuple(Option(label, sizes[k] * bits[label],
-                                                   anchors.get(label, 1.0) * factors[k] * errors[k][label])
-                                            for label in bits)) for k in factors]
+    groups = [Group(f"{k[0]}.{k[1]}", tuple(Option(label, sizes[k] * bits[label], costs[k][label]) for label in bits))
+              for k in costs]
     # The solver keeps 1e-6 of its largest option below the capacity (HiGHS's tolerance); that sliver back, so
     # an assignment that spends the budget exactly (every expert at a budget that is a candidate) stays allowed.
-    slack = 2e-6 * max(sizes[k] * max(bits.values()) for k in factors)
-    chosen = solve(groups, budget * sum(sizes[k] for k in factors) + slack)
-    return {k: chosen[f"{k[0]}.{k[1]}"].label for k in factors}
+    slack = 2e-6 * max(sizes[k] * max(bits.values()) for k in costs)
+    chosen = solve(groups, budget * sum(sizes[k] for k in costs) + slack)
+    return {k: chosen[f"{k[0]}.{k[1]}"].label for k in costs}
 
 
-def predicted_kl(factors: dict[Key, float], errors: dict[Key, dict[str, float]], assignment: dict[Key, str]) -> float:
-    return sum(factors[k] * errors[k][label] for k, label in assignment.items())
+def predicted_kl(costs: dict[Key, dict[str, float]], assignment: dict[Key, str], base: float = 0.0) -> float:
+    return base + sum(costs[k][label] for k, label in assignment.items())
 
 
 def _levels(bits: dict[str, int], budget: float) -> tuple[str, str, float]:
@@ -319,12 +359,15 @@ def natscale_schemes(model, calibration: torch.Tensor, probe: torch.Tensor, sche
     errors = expert_errors(model, routed, candidates)
     factors, kls = calibrate_factors(model, probe, candidates, errors, min(bits, key=bits.get), progress=progress)
     sizes = {k: expert_size(e) for k, e in experts_of(model).items()}
-    assignment = natscale_allocation(factors, errors, sizes, bits, budget)
+    context = uniform_allocation(sorted(errors), sizes, bits, budget)
+    base, costs = context_costs(model, probe, candidates, errors, factors, context, progress)
+    assignment = natscale_allocation(costs, sizes, bits, budget)
     by_label = {s.label: s for s in schemes}
     layer_schemes = {f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": by_label[label]
                      for (layer, e), label in assignment.items() for p in PROJECTIONS}
     report = {"method": "natscale", "budget_bits": budget, "average_bits": average_bits(assignment, sizes, bits),
-              "predicted_kl": predicted_kl(factors, errors, assignment), "candidates": sorted(bits, key=bits.get),
+              "predicted_kl": predicted_kl(costs, assignment, base), "uniform_kl": base,
+              "candidates": sorted(bits, key=bits.get),
               "experts": {f"{layer}.{e}": {"scheme": label, "factor": factors[(layer, e)],
                                             "probe_kl": kls[(layer, e)]}
                           for (layer, e), label in sorted(assignment.items())}}

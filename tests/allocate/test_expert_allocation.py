@@ -58,14 +58,15 @@ def test_every_allocation_spends_the_same_budget_and_natscale_predicts_least(stu
     model, routed, candidates, errors, factors, kls, sizes = study
     keys = sorted(errors)
     signals = ea.expert_signals(model, routed)
-    allocations = {"natscale": ea.natscale_allocation(factors, errors, sizes, BITS, budget),
+    costs = ea.isolated_costs(factors, errors)
+    allocations = {"natscale": ea.natscale_allocation(costs, sizes, BITS, budget),
                    "uniform": ea.uniform_allocation(keys, sizes, BITS, budget),
                    **{name: ea.ranking_allocation(signal, sizes, BITS, budget) for name, signal in signals.items()},
                    "random": ea.random_allocation(keys, sizes, BITS, budget, seed=0)}
     spent = {name: ea.average_bits(a, sizes, BITS) for name, a in allocations.items()}
     assert all(budget - 0.5 <= bits <= budget + 1e-9 for bits in spent.values()), spent
-    best = ea.predicted_kl(factors, errors, allocations["natscale"])
-    others = {name: ea.predicted_kl(factors, errors, a) for name, a in allocations.items()}
+    best = ea.predicted_kl(costs, allocations["natscale"])
+    others = {name: ea.predicted_kl(costs, a) for name, a in allocations.items()}
     assert all(best <= value * (1 + 1e-6) for value in others.values()), (best, others)
     if budget == 3.0:  # between W2 and W4, half the weights each; uniform gives everyone W3
         assert set(allocations["uniform"].values()) == {"W3a-g32"}
@@ -84,7 +85,7 @@ def test_frequency_ranking_gives_the_upper_bits_to_the_busiest_experts(study):
 def test_budgets_below_two_bits_are_refused(study):
     model, routed, candidates, errors, factors, kls, sizes = study
     with pytest.raises(PaperbackError, match="below the 2 bits"):
-        ea.natscale_allocation(factors, errors, sizes, BITS, 1.5)
+        ea.natscale_allocation(ea.isolated_costs(factors, errors), sizes, BITS, 1.5)
     with pytest.raises(PaperbackError, match="below the 2 bits"):
         ea.ranking_allocation(factors, sizes, BITS, 1.9)
 
@@ -124,13 +125,25 @@ def test_quantize_cli_refuses_bad_expert_budgets_before_loading(tmp_path, capsys
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
 
 
-def test_scheme_anchors_scale_each_schemes_cost(study):
+def test_context_costs_are_the_measured_kl_of_moving_a_layer(study):
     model, routed, candidates, errors, factors, kls, sizes = study
-    labels = [s.label for s in SCHEMES[:3]]
-    anchors = ea.scheme_anchors(model, torch.randint(0, 256, (2, 32)), candidates, factors, errors, labels)
-    assert set(anchors) == set(labels) and all(a > 0 for a in anchors.values())
-    # an anchor that makes W2 dear moves experts off W2 at the same budget
-    plain = ea.natscale_allocation(factors, errors, sizes, BITS, 3.0)
-    dear = ea.natscale_allocation(factors, errors, sizes, BITS, 3.0, anchors={"W2a-g32": 100.0})
-    assert sum(v == "W2a-g32" for v in dear.values()) <= sum(v == "W2a-g32" for v in plain.values())
-    assert ea.average_bits(dear, sizes, BITS) <= 3.0 + 1e-9
+    probe = torch.randint(0, 256, (2, 32))
+    context = ea.uniform_allocation(sorted(errors), sizes, BITS, 3.0)
+    base, costs = ea.context_costs(model, probe, candidates, errors, factors, context, progress=False)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(probe).float(), dim=-1)
+
+        def measured(assignment):
+            with ea.assigned(model, candidates, assignment):
+                return ea._kl(reference, model(probe))
+
+        assert base == pytest.approx(measured(context), rel=1e-4) and base > 0
+        assert all(costs[k][context[k]] == 0 for k in costs)
+        # moving one layer's experts together is what was measured: the prediction is exact there
+        for layer, label in [(0, "W2a-g32"), (1, "W8a-g32")]:
+            moved = {**context, **{k: label for k in context if k[0] == layer}}
+            assert ea.predicted_kl(costs, moved, base) == pytest.approx(measured(moved), rel=1e-3, abs=1e-7)
+    # the knapsack on them keeps the budget and predicts no worse than the context it started from
+    chosen = ea.natscale_allocation(costs, sizes, BITS, 3.0)
+    assert ea.average_bits(chosen, sizes, BITS) <= 3.0 + 1e-9
+    assert ea.predicted_kl(costs, chosen, base) <= base + 1e-12
