@@ -349,7 +349,8 @@ def plot(results: dict, path: Path) -> None:
             ax = axes[row][col]
             for method in dict.fromkeys(r["method"] for r in summary):
                 points = sorted((r["budget"], r[f"{dataset}_kl"]) for r in summary if r["method"] == method)
-                ax.plot(*zip(*points), marker="o", label=method, linewidth=2.5 if method == "natscale" else 1.2)
+                ax.plot(*zip(*points), marker="o", label=method, linewidth=2.5 if method == "natscale" else 1.2,
+                        linestyle="--" if method in ABLATIONS else "-")
             ax.set_yscale("log")
             ax.set_xlabel("average bits per expert weight")
             ax.set_ylabel(f"KL to the unquantized MoE, {dataset} (nats/token)")
@@ -399,14 +400,16 @@ def main() -> int:
     parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv", "additivity"], default="all")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", action="store_true",
-                        help="print the results' tables as markdown from the JSON, without running anything")
+                        help="print the tables as markdown and redraw the plot from the JSON; run nothing")
     parser.add_argument("--recompute", action="store_true",
                         help="measure the expert candidates and factors again instead of reusing the cached ones")
     add_tag_arg(parser)
     args = parser.parse_args()
-    if args.markdown:
-        print(markdown(json.loads((Path(__file__).parent / "results" / results_name("moe_allocation", args.tag)
-                                   ).read_text())))
+    if args.markdown:  # the tables, and the plot redrawn, from the JSON
+        path = Path(__file__).parent / "results" / results_name("moe_allocation", args.tag)
+        results = json.loads(path.read_text())
+        print(markdown(results))
+        plot(results, path.with_suffix(".png"))
         return 0
     for budget in args.budgets:
         ea.check_budget(budget, {s.label: s.bits for s in SCHEMES})
