@@ -85,9 +85,27 @@ def evaluate_on(model, reference, tokens: dict, windows: int, caches: dict) -> d
     return out
 
 
+def keys_to_text(values: dict) -> dict:
+    """{(layer, expert): v} as JSON keys "layer.expert"."""
+    return {f"{k[0]}.{k[1]}": v for k, v in values.items()}
+
+
+def keys_from_text(values: dict) -> dict:
+    return {tuple(map(int, k.split("."))): v for k, v in values.items()}
+
+
+def study_batches(lm, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(calibration, probe): pydoc windows of 512 tokens, disjoint seeds."""
+    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
+                                                                     seed=1))
+    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    return calibration, probe
+
+
 def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> tuple:
-    """(candidates, errors, factors, probe KLs, timings): the study's costly part (about 10 minutes a model), kept under the MoEfied model's cache directory and reused while its settings are the same
-    (--recompute measures them again)."""
+    """(candidates, errors, factors, probe KLs, timings): the study's costly part (about 10 minutes a model),
+    kept under the MoEfied model's cache directory and reused while its settings are the same (--recompute
+    measures them again)."""
     from safetensors.torch import load_file, save_file
 
     folder = CACHE / name / "natscale"
@@ -102,8 +120,7 @@ def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> t
             for tensor_name, weight in flat.items():
                 layer, expert, label, projection = tensor_name.split("/")
                 candidates.setdefault((int(layer), int(expert)), {}).setdefault(label, {})[projection] = weight
-            keyed = {field: {tuple(map(int, k.split("."))): v for k, v in meta[field].items()}
-                     for field in ("errors", "factors", "kls")}
+            keyed = {field: keys_from_text(meta[field]) for field in ("errors", "factors", "kls")}
             return candidates, keyed["errors"], keyed["factors"], keyed["kls"], {**meta["timings"], "cached": True}
     for stale in folder.glob("context_*.json"):  # in-context costs of other candidates
         stale.unlink()
@@ -118,8 +135,8 @@ def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> t
     folder.mkdir(parents=True, exist_ok=True)
     save_file({f"{k[0]}/{k[1]}/{label}/{p}": w.contiguous() for k, by_label in candidates.items()
                for label, weights in by_label.items() for p, w in weights.items()}, tensors_path)
-    as_text = {field: {f"{k[0]}.{k[1]}": v for k, v in values.items()}
-               for field, values in (("errors", errors), ("factors", factors), ("kls", kls))}
+    as_text = {field: keys_to_text(values) for field, values in (("errors", errors), ("factors", factors),
+                                                                  ("kls", kls))}
     meta_path.write_text(json.dumps({"key": key, "timings": timings, **as_text}))
     return candidates, errors, factors, kls, {**timings, "cached": False}
 
@@ -131,22 +148,19 @@ def budget_costs(name: str, model, probe: torch.Tensor, candidates: dict, errors
     path = CACHE / name / "natscale" / f"context_{budget:g}.json"
     if not args.recompute and path.is_file():
         saved = json.loads(path.read_text())
-        costs = {tuple(map(int, k.split("."))): v for k, v in saved["costs"].items()}
-        return saved["base"], costs, saved["seconds"]
+        return saved["base"], keys_from_text(saved["costs"]), saved["seconds"]
     start = time.perf_counter()
     base, costs = ea.context_costs(model, probe, candidates, errors, factors, context)
     seconds = time.perf_counter() - start
     path.write_text(json.dumps({"base": base, "seconds": seconds,
-                                "costs": {f"{k[0]}.{k[1]}": v for k, v in costs.items()}}))
+                                "costs": keys_to_text(costs)}))
     return base, costs, seconds
 
 
 def allocation_study(name: str, lm, args, tokens: dict) -> dict:
     model = lm.model
     reference = copy.deepcopy(model)  # the allocations swap expert weights of `model` in place
-    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
-                                                                     seed=1))
-    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    calibration, probe = study_batches(lm, args)
     routed = ea.capture_routing(model, calibration)
     candidates, errors, factors, kls, timings = study_inputs(name, model, routed, probe, args)
     signals = ea.expert_signals(model, routed)
@@ -176,7 +190,7 @@ def allocation_study(name: str, lm, args, tokens: dict) -> dict:
                    "isolated_predicted_kl": ea.predicted_kl(isolated, assignment), **{
                        f"{d}_{k}": v for d, r in result.items() for k, v in r.items()}}
             if method == "natscale":
-                row["assignment"] = {f"{layer}.{e}": label for (layer, e), label in assignment.items()}
+                row["assignment"] = keys_to_text(assignment)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "assignment"}), flush=True)
     return {"rows": rows, **timings,
@@ -189,9 +203,7 @@ def additivity(name: str, lm, args) -> dict:
     scheme (the rest exact) against the sum of their isolated costs, and every expert at each scheme against
     the sum over all of them."""
     model = lm.model
-    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
-                                                                     seed=1))
-    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    calibration, probe = study_batches(lm, args)
     candidates, errors, factors, _, _ = study_inputs(name, model, ea.capture_routing(model, calibration), probe, args)
     isolated = ea.isolated_costs(factors, errors)
     labels = [s.label for s in SCHEMES[:-1]]
@@ -200,8 +212,8 @@ def additivity(name: str, lm, args) -> dict:
         hidden_states, kl_from = ea.layer_runner(model, probe)
         hidden = hidden_states()
         for layer in sorted({k[0] for k in errors}):
+            keys = [k for k in errors if k[0] == layer]
             for label in labels:
-                keys = [k for k in errors if k[0] == layer]
                 with ea.assigned(model, candidates, {k: label for k in keys}):
                     joint = kl_from(layer, hidden)
                 layers.append({"layer": layer, "scheme": label, "joint_kl": joint,
@@ -265,7 +277,8 @@ def serve_formats(path: Path) -> dict:
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
-                    time.sleep(0.2)
+                    pass
+                time.sleep(0.2)
             start = time.perf_counter()
             reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "model": path.name, "max_tokens": 24, "temperature": 0,
@@ -407,6 +420,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.markdown:  # the tables, and the plot redrawn, from the JSON
         path = Path(__file__).parent / "results" / results_name("moe_allocation", args.tag)
+        if not path.is_file():
+            raise SystemExit(f"no results to render: {path} (run --part allocation first)")
         results = json.loads(path.read_text())
         print(markdown(results))
         plot(results, path.with_suffix(".png"))
