@@ -82,8 +82,8 @@ def tiny_moe_hf(kind: str, **overrides):
     torch.manual_seed(0)
     small = {**SMALL, "intermediate_size": 80, **overrides}
     if kind == "mixtral":
-        model = tf.MixtralForCausalLM(tf.MixtralConfig(**small, num_local_experts=6, num_experts_per_tok=2,
-                                                       tie_word_embeddings=False))
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**{"num_local_experts": 6, "num_experts_per_tok": 2,
+                                                          "tie_word_embeddings": False, **small}))
     elif kind == "qwen2_moe":  # a gated shared expert, top-k not renormalised, layer 1 dense
         model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
             **small, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,

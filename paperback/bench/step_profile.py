@@ -10,8 +10,9 @@ own time less the regions inside it, so the parts add up to the wall time of
 the steps; the timers' own cost lands in "model, other" and is small against
 milliseconds per step. Where the decoder layers run as one C call
 (generation.fused_decode: packed models over a dense cache), the call times
-its own parts (linears, attention, cache writes, and norms, RoPE and
-activations together) and those are added to the parts of the same names;
+its own parts (linears, attention, cache writes, norms, RoPE and
+activations together, and an MoE's routing) and those are added to the parts
+of the same names;
 what the call spends outside them is "fused call, other".
 PAPERBACK_FUSED_DECODE=0 shows the module path's breakdown instead.
 """
@@ -26,11 +27,12 @@ import torch
 from torch import nn
 
 FUSED_ELEMENTWISE = "norms, rope, activations (fused)"
+FUSED_ROUTING = "expert routing (fused)"  # an MoE's router, top k, gathering rows and summing expert outputs
 PARTS = ("linears", "output head", "attention", "rope", "norms", "kv cache writes", FUSED_ELEMENTWISE,
-         "fused call, other", "model, other", "sampling and loop")
+         FUSED_ROUTING, "fused call, other", "model, other", "sampling and loop")
 # the fused call's own parts -> the parts above they are added to
 _FUSED_PARTS = {"linears": "linears", "attention": "attention", "kv cache writes": "kv cache writes",
-                "norms, rope, activations": FUSED_ELEMENTWISE}
+                "norms, rope, activations": FUSED_ELEMENTWISE, "expert routing": FUSED_ROUTING}
 
 
 class StepTimers:

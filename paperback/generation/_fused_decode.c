@@ -17,6 +17,11 @@
  *
  * Every row of x is one sequence of the cache (row b of a (B, Hkv, slots, D)
  * buffer), all at one position, as generate() decodes them.
+ *
+ * A mixture-of-experts layer's MLP is routed here too, as models/moe.py routes it: the router's fp32 scores
+ * (softmax, or DeepSeek's sigmoid with its bias and expert groups), top k, renormalised and scaled, then each
+ * expert once over the rows that chose it (one row: the chosen experts' gate and up in one gemm_many call),
+ * weighted outputs summed in expert order, then the shared expert (sigmoid-gated where the model has a gate).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,9 +50,24 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 enum { Q, K, V, O, GATE, UP, DOWN, LINEARS };
 enum { NORM_ATTN_IN, NORM_ATTN_OUT, NORM_MLP_IN, NORM_MLP_OUT, NORM_Q, NORM_K, NORMS };
 
+enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1 };
+
+/* A mixture-of-experts MLP (models/moe.py: Router, run_experts, SparseMoE). */
+typedef struct {
+    const float *router;        /* (experts, hidden) fp32 */
+    const float *correction;    /* (experts) fp32 bias that steers the choice (DeepSeek), or NULL */
+    const float *shared_gate;   /* (hidden) fp32: the shared expert is scaled by sigmoid(x . gate), or NULL */
+    QMatrix *experts;           /* experts x (gate, up, down) */
+    QMatrix shared[3];          /* gate, up, down of the shared expert, when shared_inter > 0 */
+    int64_t count, top_k, inter, shared_inter, groups, groups_per_token;
+    int scoring, normalize;
+    float routed_scale;
+} MoE;
+
 typedef struct {
     const float *norms[NORMS]; /* NULL: absent (Llama has no post norms and no q/k norms) */
-    QMatrix linears[LINEARS];
+    QMatrix linears[LINEARS];  /* gate, up and down unused where moe is set */
+    MoE *moe;                  /* NULL: a dense MLP */
     void *keys, *values;       /* the layer's cache, (batch, kv_heads, slots, dim) in the plan's cache dtype */
     float scaling;
     int64_t window;            /* 0: attends to every cached position */
@@ -61,11 +81,17 @@ typedef struct {
     int cache_dtype; /* PAGED_FP32, PAGED_FP16 or PAGED_BF16 */
     Layer *layers;
     float *scratch; /* h, q, k, v, attn, o (hidden), gate, up: sized for `batch` rows */
+    /* the MoE layers' (sized for the largest): scores (batch, experts), weights and choices (batch, top_k),
+     * gathered rows and their outputs (batch, hidden), gate and up (batch x max(top_k x inter, shared)) */
+    float *moe_scratch;
+    int64_t *chosen;
+    int64_t moe_width;
 } Plan;
 
 /* Where a step's time goes, when asked (`timing(True)`): seconds per part, summed over steps. */
-enum { T_LINEARS, T_ATTENTION, T_CACHE, T_ELEMENTWISE, T_PARTS };
-static const char *PART_NAMES[T_PARTS] = {"linears", "attention", "kv cache writes", "norms, rope, activations"};
+enum { T_LINEARS, T_ATTENTION, T_CACHE, T_ELEMENTWISE, T_ROUTING, T_PARTS };
+static const char *PART_NAMES[T_PARTS] = {"linears", "attention", "kv cache writes", "norms, rope, activations",
+                                          "expert routing"};
 static int timing;
 static double part_seconds[T_PARTS];
 
@@ -84,7 +110,10 @@ static inline void charge(int part, double *mark) {
 }
 
 static void plan_destroy(Plan *p) {
-    if (p) free(p->layers), free(p->scratch), free(p);
+    if (!p) return;
+    for (int64_t i = 0; p->layers && i < p->count; i++)
+        if (p->layers[i].moe) free(p->layers[i].moe->experts), free(p->layers[i].moe);
+    free(p->layers), free(p->scratch), free(p->moe_scratch), free(p->chosen), free(p);
 }
 
 static void plan_free(PyObject *capsule) { plan_destroy(PyCapsule_GetPointer(capsule, "paperback.fused_decode.Plan")); }
@@ -221,6 +250,160 @@ static int linears(const QMatrix *ms, int count, const float *x, int64_t rows, f
     return 0;
 }
 
+/* ---- mixture-of-experts MLPs ---- */
+
+WIDEST static float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* best[0..k): the k highest of n scores, highest first (ties to the lower index). */
+static void top_k(const float *scores, int64_t n, int64_t k, int64_t *best) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t arg = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j && !taken; i++) taken = best[i] == e;
+            if (!taken && (arg < 0 || scores[e] > scores[arg])) arg = e;
+        }
+        best[j] = arg;
+    }
+}
+
+/* Each row's experts (chosen, rows x top_k) and routing weights, as Router.forward: softmax scores, or sigmoid
+ * scores chosen by score + correction within the best groups (a group scores as its two best), weighed by the
+ * plain score; renormalised where asked, then scaled. */
+static void route(const MoE *m, const float *h, int64_t rows, int64_t hidden, float *scores, float *choice,
+                  float *weights, int64_t *chosen) {
+    const int64_t n = m->count, k = m->top_k, per_group = n / m->groups;
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * n, *w = weights + r * k;
+        int64_t *best = chosen + r * k;
+        for (int64_t e = 0; e < n; e++) s[e] = dot(m->router + e * hidden, h + r * hidden, hidden);
+        if (m->scoring == SCORE_SOFTMAX) {
+            float top = s[0], sum = 0.0f;
+            for (int64_t e = 1; e < n; e++) top = s[e] > top ? s[e] : top;
+            for (int64_t e = 0; e < n; e++) s[e] = expf(s[e] - top), sum += s[e];
+            for (int64_t e = 0; e < n; e++) s[e] /= sum;
+            top_k(s, n, k, best);
+        } else {
+            for (int64_t e = 0; e < n; e++) {
+                s[e] = 1.0f / (1.0f + expf(-s[e]));
+                choice[e] = m->correction ? s[e] + m->correction[e] : s[e];
+            }
+            if (m->groups > 1) {
+                float group_scores[4096];
+                int64_t pair[2], kept[4096];
+                for (int64_t g = 0; g < m->groups; g++) {
+                    top_k(choice + g * per_group, per_group, 2, pair);
+                    group_scores[g] = choice[g * per_group + pair[0]] + choice[g * per_group + pair[1]];
+                }
+                top_k(group_scores, m->groups, m->groups_per_token, kept);
+                for (int64_t g = 0; g < m->groups; g++) {
+                    int keep = 0;
+                    for (int64_t i = 0; i < m->groups_per_token; i++) keep |= kept[i] == g;
+                    if (!keep)
+                        for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) choice[e] = -INFINITY;
+                }
+            }
+            top_k(choice, n, k, best);
+        }
+        for (int64_t j = 0; j < k; j++) w[j] = s[best[j]];
+        if (m->normalize) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; j++) sum += w[j];
+            sum += m->scoring == SCORE_SIGMOID ? 1e-20f : 0.0f;
+            for (int64_t j = 0; j < k; j++) w[j] /= sum;
+        }
+        if (m->routed_scale != 1.0f)
+            for (int64_t j = 0; j < k; j++) w[j] *= m->routed_scale;
+    }
+}
+
+/* out (rows, hidden) = the MoE MLP of h: each expert once over the rows that chose it, its output times their
+ * weights added in expert order (as run_experts), then the (gated) shared expert. */
+static int moe_mlp(const Plan *p, const MoE *m, const float *h, float *out, int threads, int int8, double *mark) {
+    const int64_t rows = p->batch, c = p->hidden, n = m->count, k = m->top_k, inter = m->inter;
+    float *scores = p->moe_scratch, *weights = scores + rows * n, *choice = weights + rows * k,
+          *taken_weights = choice + n, *xe = taken_weights + rows, *ye = xe + rows * c, *gate = ye + rows * c,
+          *up = gate + rows * p->moe_width;
+    int64_t *chosen = p->chosen, *taken_rows = chosen + rows * k;
+    route(m, h, rows, c, scores, choice, weights, chosen);
+    memset(out, 0, sizeof(float) * rows * c);
+    charge(T_ROUTING, mark);
+    if (rows == 1) { /* every chosen expert reads the one row: their gates and ups in one call */
+        int64_t order[64];
+        for (int64_t j = 0; j < k; j++) order[j] = j;
+        for (int64_t i = 1; i < k; i++) /* by expert index, the order run_experts adds them in */
+            for (int64_t j = i; j > 0 && chosen[order[j]] < chosen[order[j - 1]]; j--) {
+                const int64_t t = order[j];
+                order[j] = order[j - 1], order[j - 1] = t;
+            }
+        _Static_assert(QKERNEL_MAX_MATRICES >= 2 * 64, "one gemm_many call takes the gates and ups of 64 experts");
+        QMatrix ms[2 * 64]; /* top_k <= 64 */
+        float *ys[2 * 64];
+        for (int64_t j = 0; j < k; j++) {
+            const QMatrix *e = m->experts + 3 * chosen[order[j]];
+            ms[2 * j] = e[0], ms[2 * j + 1] = e[1];
+            ys[2 * j] = gate + j * inter, ys[2 * j + 1] = up + j * inter;
+        }
+        if (linears(ms, (int)(2 * k), h, 1, ys, threads, int8) < 0) return -1;
+        charge(T_LINEARS, mark);
+        gated_act(gate, up, k * inter, p->act);
+        charge(T_ELEMENTWISE, mark);
+        for (int64_t j = 0; j < k; j++) {
+            float *y[1] = {ye};
+            if (linears(m->experts + 3 * chosen[order[j]] + 2, 1, gate + j * inter, 1, y, threads, int8) < 0)
+                return -1;
+            const float w = weights[order[j]];
+            for (int64_t i = 0; i < c; i++) out[i] += ye[i] * w;
+        }
+        charge(T_LINEARS, mark);
+    } else {
+        for (int64_t e = 0; e < n; e++) {
+            int64_t count = 0;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < k; j++)
+                    if (chosen[r * k + j] == e) {
+                        taken_rows[count] = r, taken_weights[count] = weights[r * k + j];
+                        memcpy(xe + count * c, h + r * c, sizeof(float) * c);
+                        count++;
+                    }
+            if (!count) continue;
+            charge(T_ROUTING, mark);
+            float *gu[2] = {gate, up}, *y[1] = {ye};
+            if (linears(m->experts + 3 * e, 2, xe, count, gu, threads, int8) < 0) return -1;
+            charge(T_LINEARS, mark);
+            gated_act(gate, up, count * inter, p->act);
+            charge(T_ELEMENTWISE, mark);
+            if (linears(m->experts + 3 * e + 2, 1, gate, count, y, threads, int8) < 0) return -1;
+            charge(T_LINEARS, mark);
+            for (int64_t i = 0; i < count; i++) {
+                float *o = out + taken_rows[i] * c;
+                const float *yi = ye + i * c, w = taken_weights[i];
+                for (int64_t t = 0; t < c; t++) o[t] += yi[t] * w;
+            }
+            charge(T_ROUTING, mark);
+        }
+    }
+    if (m->shared_inter) {
+        float *gu[2] = {gate, up}, *y[1] = {ye};
+        if (linears(m->shared, 2, h, rows, gu, threads, int8) < 0) return -1;
+        charge(T_LINEARS, mark);
+        gated_act(gate, up, rows * m->shared_inter, p->act);
+        charge(T_ELEMENTWISE, mark);
+        if (linears(m->shared + 2, 1, gate, rows, y, threads, int8) < 0) return -1;
+        charge(T_LINEARS, mark);
+        for (int64_t r = 0; r < rows; r++) {
+            const float g = m->shared_gate ? 1.0f / (1.0f + expf(-dot(m->shared_gate, h + r * c, c))) : 1.0f;
+            for (int64_t t = 0; t < c; t++) out[r * c + t] += g * ye[r * c + t];
+        }
+        charge(T_ROUTING, mark);
+    }
+    return 0;
+}
+
 /* Every layer for x (batch, hidden) at position pos; x is updated in place (the residual stream). */
 static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, const float *const *sin, int threads,
                 int int8) {
@@ -261,13 +444,17 @@ static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, c
         add_into(x, o, rows * c);
         rms_norm(x, L->norms[NORM_MLP_IN], h, rows, c, p->eps, p->unit_offset);
         charge(T_ELEMENTWISE, &mark);
-        float *gu[2] = {gate, up};
-        if (linears(&L->linears[GATE], 2, h, rows, gu, threads, int8) < 0) return -1;
-        charge(T_LINEARS, &mark);
-        gated_act(gate, up, rows * p->inter, p->act);
-        charge(T_ELEMENTWISE, &mark);
-        if (linears(&L->linears[DOWN], 1, gate, rows, out, threads, int8) < 0) return -1;
-        charge(T_LINEARS, &mark);
+        if (L->moe) {
+            if (moe_mlp(p, L->moe, h, o, threads, int8, &mark) < 0) return -1;
+        } else {
+            float *gu[2] = {gate, up};
+            if (linears(&L->linears[GATE], 2, h, rows, gu, threads, int8) < 0) return -1;
+            charge(T_LINEARS, &mark);
+            gated_act(gate, up, rows * p->inter, p->act);
+            charge(T_ELEMENTWISE, &mark);
+            if (linears(&L->linears[DOWN], 1, gate, rows, out, threads, int8) < 0) return -1;
+            charge(T_LINEARS, &mark);
+        }
         if (L->norms[NORM_MLP_OUT]) rms_norm(o, L->norms[NORM_MLP_OUT], o, rows, c, p->eps, p->unit_offset);
         add_into(x, o, rows * c);
         charge(T_ELEMENTWISE, &mark);
@@ -277,42 +464,92 @@ static int step(const Plan *p, float *x, int64_t pos, const float *const *cos, c
 
 /* ---- Python bindings: pointers as integers, checked in fused_decode.py ---- */
 
+/* A matrix (qweight, scales, qzeros, bias, n, k, bits, group_size) of shape (n, k). */
+static int parse_matrix(PyObject *tuple, QMatrix *m, int64_t n, int64_t k) {
+    unsigned long long qweight, scales, qzeros, bias;
+    long long rows, cols, group;
+    int bits;
+    if (!PyArg_ParseTuple(tuple, "KKKKLLiL", &qweight, &scales, &qzeros, &bias, &rows, &cols, &bits, &group))
+        return -1;
+    if (!qweight || !scales ||
+        qkernel->init_matrix(m, (const uint8_t *)(uintptr_t)qweight, (const uint16_t *)(uintptr_t)scales,
+                             (const uint8_t *)(uintptr_t)qzeros, (const float *)(uintptr_t)bias, rows, cols, bits,
+                             group) < 0) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: invalid packed matrix");
+        return -1;
+    }
+    if (m->n != n || m->k != k) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: a linear's shape does not match the model");
+        return -1;
+    }
+    return 0;
+}
+
+/* (router, correction, shared_gate, experts, top_k, inter, shared_inter, scoring, normalize, routed_scale, groups,
+ * groups_per_token, (experts x (gate, up, down) matrices), (shared gate, up, down) or ()) -> a MoE */
+static MoE *parse_moe(PyObject *tuple, int64_t hidden) {
+    unsigned long long router, correction, shared_gate;
+    PyObject *experts, *shared;
+    MoE head = {0};
+    if (!PyArg_ParseTuple(tuple, "KKKLLLLiifLLOO", &router, &correction, &shared_gate, &head.count, &head.top_k,
+                          &head.inter, &head.shared_inter, &head.scoring, &head.normalize, &head.routed_scale,
+                          &head.groups, &head.groups_per_token, &experts, &shared))
+        return NULL;
+    if (!router || head.count < 1 || head.count > 4096 || head.top_k < 1 || head.top_k > 64 ||
+        head.top_k > head.count || head.inter < 1 || head.shared_inter < 0 || head.groups < 1 ||
+        head.count % head.groups || head.groups_per_token < 1 || head.groups_per_token > head.groups ||
+        (head.groups > 1 && head.count / head.groups < 2) || (head.scoring != SCORE_SOFTMAX &&
+        head.scoring != SCORE_SIGMOID) || !PyTuple_Check(experts) || PyTuple_GET_SIZE(experts) != 3 * head.count ||
+        !PyTuple_Check(shared) || PyTuple_GET_SIZE(shared) != (head.shared_inter ? 3 : 0) ||
+        (shared_gate && !head.shared_inter)) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: bad mixture-of-experts layer");
+        return NULL;
+    }
+    head.router = (const float *)(uintptr_t)router;
+    head.correction = (const float *)(uintptr_t)correction;
+    head.shared_gate = (const float *)(uintptr_t)shared_gate;
+    MoE *m = malloc(sizeof(MoE));
+    if (m) *m = head, m->experts = malloc(sizeof(QMatrix) * 3 * head.count);
+    if (!m || !m->experts) {
+        if (m) free(m);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int64_t i = 0; i < 3 * head.count; i++)
+        if (parse_matrix(PyTuple_GET_ITEM(experts, i), &m->experts[i], i % 3 == 2 ? hidden : head.inter,
+                         i % 3 == 2 ? head.inter : hidden) < 0) {
+            free(m->experts), free(m);
+            return NULL;
+        }
+    for (int64_t i = 0; i < (head.shared_inter ? 3 : 0); i++)
+        if (parse_matrix(PyTuple_GET_ITEM(shared, i), &m->shared[i], i == 2 ? hidden : head.shared_inter,
+                         i == 2 ? head.shared_inter : hidden) < 0) {
+            free(m->experts), free(m);
+            return NULL;
+        }
+    return m;
+}
+
 static int parse_layer(PyObject *tuple, Layer *L, const Plan *p) {
-    PyObject *norms, *mats;
+    PyObject *norms, *mats, *moe;
     unsigned long long keys, values;
     long long window;
-    if (!PyArg_ParseTuple(tuple, "OOKKfLi", &norms, &mats, &keys, &values, &L->scaling, &window, &L->rope))
+    if (!PyArg_ParseTuple(tuple, "OOKKfLiO", &norms, &mats, &keys, &values, &L->scaling, &window, &L->rope, &moe))
         return -1;
     unsigned long long n[NORMS];
     if (!PyArg_ParseTuple(norms, "KKKKKK", &n[0], &n[1], &n[2], &n[3], &n[4], &n[5])) return -1;
     for (int i = 0; i < NORMS; i++) L->norms[i] = (const float *)(uintptr_t)n[i];
-    if (!PyTuple_Check(mats) || PyTuple_GET_SIZE(mats) != LINEARS) {
-        PyErr_SetString(PyExc_ValueError, "fused decode: a layer has 7 linears (q k v o gate up down)");
+    const int count = moe == Py_None ? LINEARS : GATE; /* an MoE layer's MLP matrices are its experts' */
+    if (!PyTuple_Check(mats) || PyTuple_GET_SIZE(mats) != count) {
+        PyErr_SetString(PyExc_ValueError, "fused decode: a layer has 7 linears (q k v o gate up down), an MoE "
+                                          "layer 4 (q k v o) and its experts");
         return -1;
-    }
-    for (int i = 0; i < LINEARS; i++) {
-        unsigned long long qweight, scales, qzeros, bias;
-        long long rows, cols, group;
-        int bits;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(mats, i), "KKKKLLiL", &qweight, &scales, &qzeros, &bias, &rows, &cols,
-                              &bits, &group))
-            return -1;
-        if (!qweight || !scales ||
-            qkernel->init_matrix(&L->linears[i], (const uint8_t *)(uintptr_t)qweight, (const uint16_t *)(uintptr_t)scales,
-                                 (const uint8_t *)(uintptr_t)qzeros, (const float *)(uintptr_t)bias, rows, cols, bits,
-                                 group) < 0) {
-            PyErr_SetString(PyExc_ValueError, "fused decode: invalid packed matrix");
-            return -1;
-        }
     }
     const int64_t c = p->hidden, qd = p->heads * p->dim, kvd = p->kv_heads * p->dim;
     const int64_t shapes[LINEARS][2] = {{qd, c}, {kvd, c}, {kvd, c}, {c, qd}, {p->inter, c}, {p->inter, c},
                                         {c, p->inter}};
-    for (int i = 0; i < LINEARS; i++)
-        if (L->linears[i].n != shapes[i][0] || L->linears[i].k != shapes[i][1]) {
-            PyErr_SetString(PyExc_ValueError, "fused decode: a linear's shape does not match the model");
-            return -1;
-        }
+    for (int i = 0; i < count; i++)
+        if (parse_matrix(PyTuple_GET_ITEM(mats, i), &L->linears[i], shapes[i][0], shapes[i][1]) < 0) return -1;
     if (!L->norms[NORM_ATTN_IN] || !L->norms[NORM_MLP_IN] || !L->norms[NORM_Q] != !L->norms[NORM_K] ||
         !L->norms[NORM_ATTN_OUT] != !L->norms[NORM_MLP_OUT] || !keys || !values || window < 0 || L->rope < 0 ||
         L->rope > 1) {
@@ -320,13 +557,34 @@ static int parse_layer(PyObject *tuple, Layer *L, const Plan *p) {
         return -1;
     }
     L->keys = (void *)(uintptr_t)keys, L->values = (void *)(uintptr_t)values, L->window = window;
+    if (moe != Py_None && !(L->moe = parse_moe(moe, c))) return -1;
     return 0;
+}
+
+/* The MoE layers' scratch, sized for the largest of them; 0, or -1 out of memory. */
+static int moe_scratch(Plan *p) {
+    int64_t experts = 0, top_k = 0, width = 0;
+    for (int64_t i = 0; i < p->count; i++) {
+        const MoE *m = p->layers[i].moe;
+        if (!m) continue;
+        experts = m->count > experts ? m->count : experts;
+        top_k = m->top_k > top_k ? m->top_k : top_k;
+        width = m->top_k * m->inter > width ? m->top_k * m->inter : width;
+        width = m->shared_inter > width ? m->shared_inter : width;
+    }
+    if (!experts) return 0;
+    const int64_t rows = p->batch;
+    p->moe_width = width;
+    p->moe_scratch = malloc(sizeof(float) * (rows * experts + rows * top_k + experts + rows + 2 * rows * p->hidden +
+                                             2 * rows * width));
+    p->chosen = malloc(sizeof(int64_t) * (rows * top_k + rows));
+    return p->moe_scratch && p->chosen ? 0 : -1;
 }
 
 /* plan((hidden, heads, kv_heads, dim, inter, batch, slots, eps, unit_offset, act, cache_dtype), [layer, ...])
  * -> capsule,
- * a layer being ((6 norm pointers), (7 matrices), keys, values, scaling, window, rope) and a matrix
- * (qweight, scales, qzeros, bias, n, k, bits, group_size). */
+ * a layer being ((6 norm pointers), (7 matrices, or q k v o), keys, values, scaling, window, rope, moe or None)
+ * and a matrix (qweight, scales, qzeros, bias, n, k, bits, group_size). */
 static PyObject *py_plan(PyObject *self, PyObject *args) {
     PyObject *model, *layers;
     Plan head = {0};
@@ -365,6 +623,10 @@ static PyObject *py_plan(PyObject *self, PyObject *args) {
             return NULL;
         }
     Py_DECREF(seq);
+    if (moe_scratch(p) < 0) {
+        plan_destroy(p);
+        return PyErr_NoMemory();
+    }
     PyObject *capsule = PyCapsule_New(p, "paperback.fused_decode.Plan", plan_free);
     if (!capsule) plan_destroy(p);
     return capsule;

@@ -4,7 +4,7 @@ A decode step of a small model is some 30 PyTorch ops a layer, each a few
 microseconds whatever its size: on SmolLM2 at 4 bits that was a third of
 the step (`paperback bench --profile`, docs/weights.md). `_fused_decode.c`
 runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
-MLP, the residuals) as one call, with the packed-weight kernel and the
+MLP or a mixture of experts' routing and experts, the residuals) as one call, with the packed-weight kernel and the
 attention kernel the module path uses. `DecoderLM.hidden_states` takes it
 for one new token per row over a `ContiguousKVCache` (fp32, fp16 or bf16)
 whenever the model qualifies (`plan_for`); anything else (fp32 or bf16
@@ -24,6 +24,7 @@ from paperback.engine.paged_attention import _KERNEL_DTYPES as _CACHE_DTYPES  # 
 from paperback.errors import ContextLengthError
 from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.models.layers import RMSNorm
+from paperback.models.moe import SparseMoE
 from paperback.quantization import kernels
 from paperback.quantization.qlinear import QuantLinear
 
@@ -36,6 +37,7 @@ except ImportError:  # built without a C compiler, or without the other two kern
 
 enabled = os.environ.get("PAPERBACK_FUSED_DECODE", "1") != "0"
 
+_SCORES = {"softmax": 0, "sigmoid": 1}  # router scoring, as the C enum numbers it
 _ACTS = {"silu": 0}  # any other gate activation name is GELU (tanh), as models.layers.gated_mlp_act reads it
 _MAX_BATCH = 64
 _MAX_HEAD_DIM = 512
@@ -91,11 +93,12 @@ def _norm(module, unit_offset: bool) -> bool:
 
 
 def _layer_parts(layer):
-    """(attention, mlp, [in, attention out, mlp in, mlp out] norms) of a Llama or Gemma 3 layer, else None."""
+    """(attention, mlp, [in, attention out, mlp in, mlp out] norms) of a Llama, MoE or Gemma 3 layer, else None."""
     from paperback.models.gemma3 import Gemma3DecoderLayer
     from paperback.models.llama import LlamaDecoderLayer
+    from paperback.models.moe import MoEDecoderLayer
 
-    if type(layer) is LlamaDecoderLayer:
+    if type(layer) in (LlamaDecoderLayer, MoEDecoderLayer):
         return layer.self_attn, layer.mlp, [layer.input_layernorm, None, layer.post_attention_layernorm, None], False
     if type(layer) is Gemma3DecoderLayer:
         return layer.self_attn, layer.mlp, [layer.input_layernorm, layer.post_attention_layernorm,
@@ -109,6 +112,32 @@ def _matrix(linear: QuantLinear) -> tuple:
     bias = linear.bias.data_ptr() if linear.bias is not None else 0
     return (linear.qweight.data_ptr(), linear.scales.data_ptr(), qzeros, bias, linear.out_features,
             linear.in_features, linear.scheme.bits, linear.scheme.group_size or linear.in_features)
+
+
+def _fp32_vector(tensor) -> int | None:
+    """The data pointer of an fp32 CPU contiguous tensor, else None."""
+    ok = tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+    return tensor.data_ptr() if ok else None
+
+
+def _moe_spec(mlp, keep: list) -> tuple | None:
+    """The C description of a SparseMoE whose experts (and shared expert) are all packed, else None."""
+    moe = mlp.gate.moe
+    experts = [getattr(e, p) for e in mlp.experts for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [getattr(mlp.shared_expert, p) for p in ("gate_proj", "up_proj", "down_proj")] if mlp.shared_expert else []
+    router = _fp32_vector(mlp.gate.weight)
+    correction = mlp.gate.e_score_correction_bias
+    shared_gate = mlp.shared_expert_gate.weight if mlp.shared_expert_gate is not None else None
+    pointers = [router, *(_fp32_vector(t) for t in (correction, shared_gate) if t is not None)]
+    if (not all(_packed(linear) for linear in experts + shared) or None in pointers
+            or moe.experts_per_token > 64 or moe.num_experts > 4096):
+        return None
+    keep.extend((*experts, *shared, mlp.gate.weight, *(t for t in (correction, shared_gate) if t is not None)))
+    return (router, correction.data_ptr() if correction is not None else 0,
+            shared_gate.data_ptr() if shared_gate is not None else 0, moe.num_experts, moe.experts_per_token,
+            moe.expert_intermediate_size, moe.shared_intermediate_size if mlp.shared_expert else 0,
+            _SCORES[moe.scoring], int(moe.normalize_top_k), float(moe.routed_scale), moe.num_groups,
+            moe.groups_per_token, tuple(_matrix(linear) for linear in experts), tuple(_matrix(linear) for linear in shared))
 
 
 def plan_for(model, cache) -> FusedDecoder | None:
@@ -138,7 +167,14 @@ def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
             return None
         attn, mlp, norms, gemma = parts
         unit_offset = gemma if unit_offset is None else unit_offset
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        moe = None
+        if isinstance(mlp, SparseMoE):
+            moe = _moe_spec(mlp, keep)
+            if moe is None:
+                return None
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        else:
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         qk_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else [None, None]
         if (gemma != unit_offset or not all(_packed(linear) for linear in linears)
                 or not all(n is None or _norm(n, gemma) for n in norms + qk_norms)
@@ -150,7 +186,8 @@ def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
         keep.extend((*linears, keys[idx], values[idx]))
         layers.append((tuple(n.weight.data_ptr() if n is not None else 0 for n in norms + qk_norms),
                        tuple(_matrix(linear) for linear in linears), keys[idx].data_ptr(), values[idx].data_ptr(),
-                       float(attn.scaling), attn.window or 0, next(i for i, r in enumerate(rotaries) if r is rotary)))
+                       float(attn.scaling), attn.window or 0, next(i for i, r in enumerate(rotaries) if r is rotary),
+                       moe))
     if len(rotaries) > 2:
         return None
     batch, _, slots, _ = keys[0].shape

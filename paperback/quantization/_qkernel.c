@@ -1531,7 +1531,7 @@ VNNI static void row_times_int8_vnni(const QMatrix *m, const uint8_t *packed, co
  * is reused from registers this many times. */
 #define ROW_BLOCK 8
 
-#define MAX_MATRICES 8
+#define MAX_MATRICES QKERNEL_MAX_MATRICES
 
 /* Output row r of matrix m for every row of x, from float activations (x and its group sums xsum). */
 static void float_row(const QMatrix *m, int64_t r, const float *x, const float *xsum, int64_t rows, Scratch *s,

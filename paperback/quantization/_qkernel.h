@@ -23,9 +23,11 @@ typedef struct {
 } QMatrix;
 
 #define QKERNEL_CAPSULE "paperback.quantization._qkernel._C_API"
+#define QKERNEL_MAX_MATRICES 128 /* matrices one gemm_many call takes (an MoE step: gate and up of 64 experts) */
 
 typedef struct {
-    /* ys[i] (rows, ms[i].n) = x (rows, k) ms[i]^T (+ bias) for `count` matrices sharing k, bits and group size;
+    /* ys[i] (rows, ms[i].n) = x (rows, k) ms[i]^T (+ bias) for `count` (1..QKERNEL_MAX_MATRICES) matrices sharing
+     * k, bits and group size;
      * int8_acts: activations rounded to int8 blocks where k and the group size allow. 0, or -1 out of memory. */
     int (*gemm_many)(const QMatrix *ms, int count, const float *x, int64_t rows, float *const *ys, int threads,
                      int int8_acts);

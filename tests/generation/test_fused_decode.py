@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import max_rel_error, tiny_hf
+from helpers import MOE_KINDS, max_rel_error, tiny_hf, tiny_moe_hf
 from paperback.generation import ContiguousKVCache
 from paperback.generation import fused_decode as fd
 from paperback.kv import QuantizedKVCache, build_policy
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(fd._fused_decode is None or not kernels.kernel_a
 
 def packed(model_type: str, tmp_path, layer_schemes=None):
     """A tiny random model of the family with every linear packed (RTN W4 g32; some W8 where asked)."""
-    tiny_hf(model_type).save_pretrained(tmp_path)
+    (tiny_moe_hf(model_type) if model_type in MOE_KINDS else tiny_hf(model_type)).save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), with_tokenizer=False)
     config = QuantizeConfig("rtn", QuantScheme(4, 32), layer_schemes=layer_schemes or {})
     swap_in_quantized(lm.model, quantize_model(lm.model, config, progress=False))
@@ -51,6 +51,42 @@ def test_fused_steps_equal_the_module_path(model_type, batch, tmp_path):
     reference, fused = decode(model, ids, 14, False), decode(model, ids, 14, True)
     assert max_rel_error(fused, reference) < 1e-4
     assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_mixture_of_experts_layers_are_routed_in_the_fused_step(kind, batch, tmp_path):
+    """Mixtral (softmax, renormalised), Qwen2-MoE (gated shared expert, not renormalised, a dense layer),
+    Qwen3-MoE and dots.llm1 (sigmoid scores with a bias, expert groups, scaled; ungated shared experts): routing,
+    experts (one row: their gates and ups in one call) and shared experts as models/moe.py computes them.
+    Some experts at W8 beside W4 ones, as a NatScale allocation mixes them."""
+    mixed = {f"model.layers.0.mlp.experts.{e}.{p}.weight": QuantScheme(8, 32) for e in (0, 3)
+             for p in ("gate_proj", "up_proj", "down_proj")}
+    model = packed(kind, tmp_path, mixed)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 256, (batch, 5))
+    reference, fused = decode(model, ids, 12, False), decode(model, ids, 12, True)
+    assert max_rel_error(fused, reference) < 1e-4
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_many_experts_a_token_in_one_kernel_call(tmp_path):
+    """Top 6 of 8 experts with groups of 32 over 48 features (a partial last group): one row's gates and ups
+    are 12 matrices in one gemm_many call; the same logits and greedy tokens as the module path."""
+    tiny_moe_hf("mixtral", num_local_experts=8, num_experts_per_tok=6, intermediate_size=48).save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    swap_in_quantized(lm.model, quantize_model(lm.model, QuantizeConfig("rtn", QuantScheme(4, 32)), progress=False))
+    ids = torch.randint(1, 256, (1, 5))
+    reference, fused = decode(lm.model, ids, 16, False), decode(lm.model, ids, 16, True)
+    assert max_rel_error(fused, reference) < 1e-4
+    assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+def test_a_moe_with_a_full_precision_expert_takes_the_module_path(tmp_path):
+    model = packed("mixtral", tmp_path)
+    expert = model.model.layers[1].mlp.experts[2]
+    expert.up_proj = torch.nn.Linear(expert.up_proj.in_features, expert.up_proj.out_features, bias=False)
+    assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float32)) is None
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
