@@ -119,7 +119,21 @@ def _expert_schemes(args: argparse.Namespace) -> list:
     if not schemes or not all(isinstance(s, QuantScheme) for s in schemes):
         raise PaperbackError(f"--expert-schemes {args.expert_schemes!r} must list quantization schemes (W4a-g64, ...)")
     check_budget(args.expert_bits, {s.label: s.bits for s in schemes})
+    _require_experts(args.model)
     return schemes
+
+
+def _require_experts(spec: str) -> None:
+    """Refuses a dense model for --expert-bits from its config alone (the weights are not read)."""
+    from paperback.errors import PaperbackError, UnsupportedModelError
+    from paperback.plan.shape import load_shape
+
+    try:
+        shape = load_shape(spec)
+    except PaperbackError:
+        return  # not a config this can read (a missing path, say): the loader says what is wrong with it
+    if shape.num_experts == 1:
+        raise UnsupportedModelError(f"--expert-bits needs a mixture-of-experts model; {spec} is dense")
 
 
 def _natscale(lm, args, config, schemes, calib_cfg):
@@ -130,7 +144,7 @@ def _natscale(lm, args, config, schemes, calib_cfg):
     from paperback.errors import UnsupportedModelError
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 
-    if lm.config.moe is None:
+    if lm.config.moe is None:  # a source whose config _require_experts could not read
         raise UnsupportedModelError(f"--expert-bits needs a mixture-of-experts model; {lm.source.label} is dense")
     calibration = calibration_batch(lm.tokenizer, calib_cfg)
     probe = calibration_batch(lm.tokenizer, CalibrationConfig(calib_cfg.corpus, args.expert_probe_samples,

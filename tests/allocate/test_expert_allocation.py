@@ -115,14 +115,20 @@ def test_quantize_cli_allocates_expert_bits_with_natscale(tmp_path, smollm2, cap
     assert lm.model.model.layers[0].self_attn.q_proj.scheme.bits == 8
 
 
-def test_quantize_cli_refuses_bad_expert_budgets_before_loading(tmp_path, capsys):
+def test_quantize_cli_refuses_bad_expert_budgets_before_loading(tmp_path, capsys, monkeypatch):
     from paperback.cli import main
 
     assert main(["quantize", "no-such-model", "-o", str(tmp_path / "a"), "--expert-bits", "1.5"]) == 2
     assert "below the 2 bits" in capsys.readouterr().err
+    import paperback.loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a dense model is refused from its config, before its weights load")
+
+    monkeypatch.setattr(paperback.loading, "load_model", no_loading)
     assert main(["quantize", "smollm2", "-o", str(tmp_path / "b"), "--expert-bits", "3", "--method", "rtn",
                  "--calib-samples", "2"]) == 2
-    assert "needs a mixture-of-experts model" in capsys.readouterr().err
+    assert "needs a mixture-of-experts model; smollm2 is dense" in capsys.readouterr().err
 
 
 def test_context_costs_are_the_measured_kl_of_moving_a_layer(study):
