@@ -1,14 +1,15 @@
 """Bits per MoE expert: NatScale against five allocations at the same bytes, on MoEfied SmolLM2 models.
 
     .venv/bin/python benchmarks/bench_moe_allocation.py [--models mixtral-e8k6 qwen2moe-e8k6-s25]
-        [--budgets 2.5 3 4] [--windows 12] [--seeds 3] [--part all|moefy|allocation|kv|additivity]
+        [--budgets 2.5 3 4] [--windows 32] [--seeds 3] [--part all|moefy|allocation|kv|additivity|speed]
         [--recompute] [--markdown] [--tag NAME]
 
 paperback loads no downloadable MoE model here, so the test models are made from the bundled SmolLM2 by
 `paperback moefy` (each MLP split into experts; docs/moe.md) and kept under ~/.cache/paperback/moefied/.
 Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB);
 part kv reads each back through the paged engine with every KV format (`paperback eval --kv F --paged`) and
-answers a chat completion from `paperback serve --kv F`.
+answers a chat completion from `paperback serve --kv F`; part speed times prefill and decode of the MoEfied
+model and of dense SmolLM2, in fp32 and packed at W4, through `paperback bench`.
 Part allocation quantizes every routed expert at W2/W3/W4/W8 (asymmetric, groups of 64; GPTQ on the
 calibration tokens routed to it), and for each budget of average code bits per expert weight compares:
 NatScale (knapsack over KL-calibrated costs, priced in the budget's uniform context), uniform bits, ranking
@@ -18,8 +19,9 @@ fails: each layer's experts quantized together against the sum of their isolated
 Attention, embeddings and the shared expert stay unquantized: the study is the experts' bits. Calibration
 (Hessians, errors, factors, in-context costs) is on pydoc, never on the evaluation texts; the costly part
 (candidates and factors, ~10 minutes a model) is cached beside the model (--recompute measures it again).
-Each allocation: KL to the unquantized MoE model and perplexity on --windows windows of 512 tokens of
-WikiText-2 and of PTB. Writes benchmarks/results/moe_allocation[_tag].json (moefy_quality, moe_kv,
+Each allocation: KL to the unquantized MoE model and perplexity on --windows windows of 512 tokens spread
+over WikiText-2 and over PTB, and (to tell the calibration domain from the others) over pydoc's windows that
+no calibration or probe window touches. Writes benchmarks/results/moe_allocation[_tag].json (moefy_quality, moe_kv,
 moe_additivity for the other parts) and a plot beside it; --markdown prints the README's tables from it.
 """
 
@@ -39,7 +41,7 @@ from paperback.cli.output import print_table
 from paperback.evaluation import evaluate, load_text
 from paperback.loading import load_model
 from paperback.moefy.build import MoefyConfig, moefy
-from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch, calibration_starts
 from paperback.quantization.scheme import QuantScheme
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -55,6 +57,7 @@ SETTINGS = {
 }
 SCHEMES = [QuantScheme(b, 64) for b in (2, 3, 4, 8)]
 DATASETS = ("wikitext2", "ptb")
+HELD_OUT = "pydoc_heldout"  # the calibration text's domain, windows disjoint from calibration and probe
 ABLATIONS = ("natscale (isolated)",)  # rows shown beside the six methods, not compared with them
 CACHE = Path.home() / ".cache" / "paperback" / "moefied"
 
@@ -76,10 +79,12 @@ def moefied(name: str, dense) -> tuple[object, dict]:
 
 
 def evaluate_on(model, reference, tokens: dict, windows: int, caches: dict) -> dict:
+    """Per text: perplexity, KL and top-1 agreement over `windows` windows of 512 tokens spread evenly over
+    the text (the first few of WikiText-2 are one article)."""
     out = {}
     for dataset, ids in tokens.items():
         r = evaluate(model, ids, 512, reference=reference, max_windows=windows, progress=False,
-                     reference_cache=caches.setdefault(dataset, {}))
+                     reference_cache=caches.setdefault(dataset, {}), spread=True)
         out[dataset] = {"perplexity": r.perplexity, "kl": r.kl_divergence, "top1": r.top1_agreement,
                         "reference_perplexity": r.reference_perplexity}
     return out
@@ -94,12 +99,25 @@ def keys_from_text(values: dict) -> dict:
     return {tuple(map(int, k.split("."))): v for k, v in values.items()}
 
 
-def study_batches(lm, args) -> tuple[torch.Tensor, torch.Tensor]:
+def study_configs(args) -> tuple[CalibrationConfig, CalibrationConfig]:
     """(calibration, probe): pydoc windows of 512 tokens, disjoint seeds."""
-    calibration = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.calib_samples, seq_len=512,
-                                                                     seed=1))
-    probe = calibration_batch(lm.tokenizer, CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
-    return calibration, probe
+    return (CalibrationConfig(num_samples=args.calib_samples, seq_len=512, seed=1),
+            CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+
+
+def study_batches(lm, args) -> tuple[torch.Tensor, torch.Tensor]:
+    calibration, probe = study_configs(args)
+    return calibration_batch(lm.tokenizer, calibration), calibration_batch(lm.tokenizer, probe)
+
+
+def held_out_pydoc(tokenizer, args) -> list[int]:
+    """The 512-token windows of pydoc that share no token with a calibration or probe window, end to end (so
+    `evaluate`'s windows are exactly them)."""
+    ids = tokenizer.encode(load_text("pydoc"), add_special_tokens=False)
+    used = [(start, start + config.seq_len) for config in study_configs(args)
+            for start in calibration_starts(len(ids), config)]
+    free = [lo for lo in range(0, len(ids) - 511, 512) if all(lo + 512 <= a or b <= lo for a, b in used)]
+    return [t for lo in free for t in ids[lo:lo + 512]]
 
 
 def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> tuple:
@@ -161,6 +179,7 @@ def allocation_study(name: str, lm, args, tokens: dict) -> dict:
     model = lm.model
     reference = copy.deepcopy(model)  # the allocations swap expert weights of `model` in place
     calibration, probe = study_batches(lm, args)
+    tokens = {**tokens, HELD_OUT: held_out_pydoc(lm.tokenizer, args)}
     routed = ea.capture_routing(model, calibration)
     candidates, errors, factors, kls, timings = study_inputs(name, model, routed, probe, args)
     signals = ea.expert_signals(model, routed)
@@ -225,6 +244,43 @@ def additivity(name: str, lm, args) -> dict:
                 everything[label]["sum_of_layers"] = sum(r["joint_kl"] for r in layers if r["scheme"] == label)
             print(json.dumps({"model": name, "scheme": label, **everything[label]}), flush=True)
     return {"layers": layers, "all_experts": everything}
+
+
+def speed(name: str, args) -> dict:
+    """Prefill and decode speed of the MoEfied model against dense SmolLM2, each in fp32 and with its block
+    linears packed at W4 (RTN, g128: speed does not depend on how codes were chosen), every configuration
+    through `paperback bench` in fresh worker processes (`bench_weight_speed.bench`: the fastest of --trials)."""
+    import tempfile
+
+    from bench_weight_speed import QUANTIZED, bench
+
+    from paperback.cli import main as paperback_cli
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="paperback-moe-speed-") as tmp:
+        tmp = Path(tmp)
+        for label, spec in (("dense", "smollm2"), (name, str(CACHE / name))):
+            runs[f"{label} fp32"] = bench(spec, "fp32", args.batch, tmp / f"{label}.json", args.trials)
+            packed = tmp / f"{label}-w4"
+            if paperback_cli(["quantize", spec, "--method", "rtn", *QUANTIZED["W4 blocks"], "-o", str(packed),
+                              "--json"]):
+                raise SystemExit(f"quantizing {spec} failed")
+            runs[f"{label} W4"] = bench(str(packed), "fp32", args.batch, tmp / f"{label}-w4.json", args.trials)
+    rows = []
+    for config, report in runs.items():
+        engine = report["engines"]["paperback"]
+        dense = runs[f"dense {config.split()[-1]}"]["engines"]["paperback"]
+        row = {"config": config, "active_parameters": engine["model"]["active_parameters"],
+               "weight_bytes_read_per_step": engine["model"]["weight_bytes_read_per_step"],
+               "prefill_tokens_per_s": engine["prefill_tokens_per_s"],
+               "prefill_vs_dense": engine["prefill_tokens_per_s"] / dense["prefill_tokens_per_s"]}
+        for b in args.batch:
+            row[f"decode_b{b}_tokens_per_s"] = engine["decode"][b]["decode_tokens_per_s"]
+            row[f"decode_b{b}_vs_dense"] = row[f"decode_b{b}_tokens_per_s"] / dense["decode"][b]["decode_tokens_per_s"]
+            row[f"roofline_b{b}_tokens_per_s"] = report["roofline"][b]["max_tokens_per_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "runs": runs}
 
 
 KV_FORMATS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2", "kivi4", "kivi2", "pnmix")
@@ -344,7 +400,17 @@ def markdown(results: dict) -> str:
             lines.append(f"| {f'*{label}*' if method in ABLATIONS else label} | " + " | ".join(cells) + " |")
         wins = sum(next(r for r in summary if r["method"] == "natscale" and r["budget"] == b)[f"{d}_kl"] == best[(b, d)]
                    for b in budgets for d in DATASETS)
-        lines += ["", f"NatScale lowest in {wins} of {len(best)} settings.", ""]
+        lines += ["", f"NatScale lowest in {wins} of {len(best)} settings."]
+        if f"{HELD_OUT}_kl" in summary[0]:
+            kl = {(r["method"], r["budget"]): r[f"{HELD_OUT}_kl"] for r in summary}
+            held_wins = sum(kl[("natscale", b)] == min(v for (m, bb), v in kl.items() if bb == b and m not in ABLATIONS)
+                            for b in budgets)
+            lines.append(f"On held-out pydoc (the calibration text's domain; windows disjoint from calibration and "
+                         f"probe) NatScale is lowest of the six at {held_wins} of {len(budgets)} budgets; against "
+                         "uniform: " + "; ".join(
+                             f"{b:g} bits {kl[('natscale', b)]:.3f} vs {kl[('uniform', b)]:.3f}" for b in budgets)
+                         + ".")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -406,11 +472,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mixtral-e8k6", "qwen2moe-e8k6-s25"], choices=SETTINGS)
     parser.add_argument("--budgets", type=float, nargs="+", default=[2.5, 3.0, 4.0])
-    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--probe-samples", type=int, default=4)
-    parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv", "additivity"], default="all")
+    parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv", "additivity", "speed"],
+                        default="all", help="'all' is moefy and allocation; kv, additivity and speed run alone")
+    parser.add_argument("--batch", nargs="+", default=["1", "8"], help="decode batch sizes of part speed")
+    parser.add_argument("--trials", type=int, default=3, help="fresh-process bench runs a configuration (speed)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", action="store_true",
                         help="print the tables as markdown and redraw the plot from the JSON; run nothing")
@@ -432,11 +501,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     dense = load_model("smollm2")
     tokens = {d: dense.tokenizer.encode(load_text(d)) for d in DATASETS}
-    out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv", "additivity": "moe_additivity"}.get(
+    out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv", "additivity": "moe_additivity",
+                             "speed": "moe_speed"}.get(
         args.part, "moe_allocation"), args.tag)
     previous = Path(__file__).parent / "results" / out_name
     results = json.loads(previous.read_text()) if previous.is_file() else {"models": {}}
-    results.update(windows=args.windows, context=512, schemes=[s.label for s in SCHEMES])
+    results.update(windows=args.windows, window_choice="spread evenly over each text", context=512,
+                   schemes=[s.label for s in SCHEMES])
     for name in args.models:
         lm, report = moefied(name, dense)
         entry = results["models"].setdefault(name, {})
@@ -451,6 +522,8 @@ def main() -> int:
             entry["allocation"] = allocation_study(name, lm, args, tokens)
         if args.part == "additivity":
             entry["additivity"] = additivity(name, lm, args)
+        if args.part == "speed":
+            entry["speed"] = speed(name, args)
         if args.part == "kv":
             entry["kv"] = kv_formats(CACHE / name, args.windows)
             entry["serve"] = serve_formats(CACHE / name)
@@ -471,6 +544,17 @@ def main() -> int:
             print_table(f"{name}: `paperback serve --kv F`, one chat completion (greedy)", ["KV format", "tokens",
                         "seconds", "answer"], [[spec, r["completion_tokens"], f"{r['seconds']:.2f}", r["text"][:60]]
                                                for spec, r in entry["serve"].items()])
+        if "speed" in entry:
+            print_table(f"{name} against dense SmolLM2: tokens/s (ratio to dense in the same format)",
+                        ["config", "active params (M)", "MiB read/step", "prefill tok/s",
+                         *[f"decode b{b} tok/s" for b in args.batch], *[f"roofline b{b}" for b in args.batch]],
+                        [[r["config"], f"{r['active_parameters'] / 1e6:.1f}",
+                          f"{r['weight_bytes_read_per_step'] / 2**20:.0f}",
+                          f"{r['prefill_tokens_per_s']:.0f} ({r['prefill_vs_dense']:.2f}x)",
+                          *[f"{r[f'decode_b{b}_tokens_per_s']:.1f} ({r[f'decode_b{b}_vs_dense']:.2f}x)"
+                            for b in args.batch],
+                          *[f"{r[f'roofline_b{b}_tokens_per_s']:.0f}" for b in args.batch]]
+                         for r in entry["speed"]["rows"]])
         if "additivity" in entry:
             print_table(f"{name}: do isolated expert costs add up? (probe KL)", ["scheme", "all experts measured",
                         "sum of layers measured", "sum of isolated"],

@@ -41,7 +41,9 @@ class EvalWindow:
 
 
 def make_windows(num_tokens: int, context: int, stride: int | None = None,
-                 max_windows: int | None = None) -> list[EvalWindow]:
+                 max_windows: int | None = None, spread: bool = False) -> list[EvalWindow]:
+    """The windows over `num_tokens` tokens; at most `max_windows` of them, the first ones, or with `spread`
+    ones evenly spaced over the whole text (a few windows from the start of WikiText-2 are one article)."""
     if context < 2:
         raise PaperbackError("context must be at least 2 tokens")
     if num_tokens < context:
@@ -58,7 +60,11 @@ def make_windows(num_tokens: int, context: int, stride: int | None = None,
         while end + stride <= num_tokens:
             windows.append(EvalWindow(end + stride - context, end + stride, end))
             end += stride
-    return windows[:max_windows] if max_windows else windows
+    if not max_windows or max_windows >= len(windows):
+        return windows
+    if spread:
+        return [windows[i * len(windows) // max_windows] for i in range(max_windows)]
+    return windows[:max_windows]
 
 
 def window_ids(ids: torch.Tensor, window: EvalWindow, bos_token_id: int | None = None) -> torch.Tensor:
@@ -111,6 +117,7 @@ def evaluate(
     kv_cache: Callable[[int], KVCache] | None = None,
     chunk: int = 32,
     per_position: bool = False,
+    spread: bool = False,
 ) -> EvalResult:
     """Perplexity of `model` (and KL(reference || model), top-1 agreement) over windows.
 
@@ -121,6 +128,7 @@ def evaluate(
     `chunk` tokens at a time through it. Without a reference, the same model
     without a cache (exact attention) is the reference, so KL measures the cache.
     per_position: also report mean NLL and KL by position in the window.
+    spread: take the `max_windows` windows evenly spaced over the text instead of the first ones.
     """
     if kv_cache is not None and reference is None:
         reference = model
@@ -129,7 +137,7 @@ def evaluate(
     limit = model.config.max_position_embeddings
     if context > limit:
         raise PaperbackError(f"context {context} exceeds the model's {limit} positions")
-    windows = make_windows(len(tokens), context, stride, max_windows)
+    windows = make_windows(len(tokens), context, stride, max_windows, spread)
     ids = torch.tensor(tokens, dtype=torch.long)
     nll_sum = ref_nll_sum = kl_sum = 0.0
     agree = scored = 0

@@ -34,15 +34,20 @@ class CalibrationConfig:
         return asdict(self)
 
 
+def calibration_starts(num_tokens: int, config: CalibrationConfig) -> list[int]:
+    """Where the windows of `config` start in a corpus of `num_tokens` tokens (seeded, so text held out from
+    calibration can be told apart)."""
+    usable = int(num_tokens * config.span)
+    if usable <= config.seq_len:
+        raise DatasetError(
+            f"calibration text '{config.corpus}' has {usable} tokens, too few for samples of {config.seq_len}"
+        )
+    gen = torch.Generator().manual_seed(config.seed)
+    return torch.randint(0, usable - config.seq_len, (config.num_samples,), generator=gen).tolist()
+
+
 def calibration_batch(tokenizer, config: CalibrationConfig) -> torch.Tensor:
     """(num_samples, seq_len) int64 windows starting at seeded random offsets."""
     ids = tokenizer.encode(load_text(config.corpus), add_special_tokens=False)
-    ids = ids[: int(len(ids) * config.span)]
-    if len(ids) <= config.seq_len:
-        raise DatasetError(
-            f"calibration text '{config.corpus}' has {len(ids)} tokens, too few for samples of {config.seq_len}"
-        )
-    gen = torch.Generator().manual_seed(config.seed)
-    starts = torch.randint(0, len(ids) - config.seq_len, (config.num_samples,), generator=gen)
     tokens = torch.tensor(ids, dtype=torch.long)
-    return torch.stack([tokens[s:s + config.seq_len] for s in starts.tolist()])
+    return torch.stack([tokens[s:s + config.seq_len] for s in calibration_starts(len(ids), config)])

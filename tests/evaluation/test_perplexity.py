@@ -25,6 +25,14 @@ def test_strided_windows_score_each_token_once_with_enough_history(stride):
         assert w.score_from - w.start >= 100 - stride
 
 
+def test_max_windows_takes_the_first_or_spreads_over_the_text():
+    assert [w.start for w in make_windows(1000, 100, max_windows=3)] == [0, 100, 200]
+    assert [w.start for w in make_windows(1000, 100, max_windows=3, spread=True)] == [0, 300, 600]
+    assert [w.start for w in make_windows(1000, 100, max_windows=20, spread=True)] == list(range(0, 1000, 100))
+    strided = make_windows(1000, 100, 50, max_windows=4, spread=True)
+    assert all(w.score_from - w.start >= 50 for w in strided[1:])
+
+
 def test_window_errors():
     with pytest.raises(DatasetError):
         make_windows(10, 100)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from paperback.errors import DatasetError, PaperbackError
-from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch, calibration_starts
 
 
 class PositionTokenizer:
@@ -26,6 +26,12 @@ def test_windows_are_seeded_contiguous_and_sized(corpus):
     assert (batch[:, 1:] - batch[:, :-1] == 1).all()  # each row is one contiguous stretch of text
     assert torch.equal(batch, calibration_batch(PositionTokenizer(), config))
     assert not torch.equal(batch, calibration_batch(PositionTokenizer(), CalibrationConfig(corpus, 16, 64, seed=4)))
+
+
+def test_starts_say_where_each_window_came_from(corpus):
+    config = CalibrationConfig(corpus, num_samples=8, seq_len=64, seed=5)
+    batch = calibration_batch(PositionTokenizer(), config)
+    assert batch[:, 0].tolist() == calibration_starts(5000, config)
 
 
 def test_span_keeps_windows_in_the_leading_part(corpus):
