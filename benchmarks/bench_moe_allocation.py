@@ -506,8 +506,12 @@ def main() -> int:
         args.part, "moe_allocation"), args.tag)
     previous = Path(__file__).parent / "results" / out_name
     results = json.loads(previous.read_text()) if previous.is_file() else {"models": {}}
-    results.update(windows=args.windows, window_choice="spread evenly over each text", context=512,
-                   schemes=[s.label for s in SCHEMES])
+    results.update({  # what the part's numbers were measured on
+        "kv": {"windows": args.windows, "window_choice": "the first windows of WikiText-2", "context": 512},
+        "speed": {"batch": args.batch, "trials": args.trials},
+        "additivity": {"schemes": [s.label for s in SCHEMES]},
+    }.get(args.part, {"windows": args.windows, "window_choice": "spread evenly over each text", "context": 512,
+                      "schemes": [s.label for s in SCHEMES]}))
     for name in args.models:
         lm, report = moefied(name, dense)
         entry = results["models"].setdefault(name, {})
