@@ -4,13 +4,15 @@ A decode step of a small model is some 30 PyTorch ops a layer, each a few
 microseconds whatever its size: on SmolLM2 at 4 bits that was a third of
 the step (`paperback bench --profile`, docs/weights.md). `_fused_decode.c`
 runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
-MLP or a mixture of experts' routing and experts, the residuals) as one call, with the packed-weight kernel and the
-attention kernel the module path uses. `DecoderLM.hidden_states` takes it
-for one new token per row over a `ContiguousKVCache` (fp32, fp16 or bf16)
-whenever the model qualifies (`plan_for`); anything else (fp32 or bf16
-linears, quantized or paged caches, prefill) runs module by module as before. The two paths agree
-to fp32 rounding (tests/generation/test_fused_decode.py);
-PAPERBACK_FUSED_DECODE=0 or `fused_decode(False)` turns this one off.
+MLP or a mixture of experts' routing and experts, the residuals) as one
+call, with the packed-weight kernel and the attention kernel the module
+path uses. `DecoderLM.hidden_states` takes it for one new token per row
+over a `ContiguousKVCache` (fp32, fp16 or bf16) whenever the model
+qualifies (`plan_for`); anything else (fp32 or bf16 linears, an expert left
+unpacked, quantized or paged caches, prefill) runs module by module as
+before. The two paths agree to fp32 rounding
+(tests/generation/test_fused_decode.py); PAPERBACK_FUSED_DECODE=0 or
+`fused_decode(False)` turns this one off.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _moe_spec(mlp, keep: list) -> tuple | None:
             shared_gate.data_ptr() if shared_gate is not None else 0, moe.num_experts, moe.experts_per_token,
             moe.expert_intermediate_size, moe.shared_intermediate_size if mlp.shared_expert else 0,
             _SCORES[moe.scoring], int(moe.normalize_top_k), float(moe.routed_scale), moe.num_groups,
-            moe.groups_per_token, tuple(_matrix(linear) for linear in experts), tuple(_matrix(linear) for linear in shared))
+            moe.groups_per_token, tuple(_matrix(linear) for linear in experts),
+            tuple(_matrix(linear) for linear in shared))
 
 
 def plan_for(model, cache) -> FusedDecoder | None:
