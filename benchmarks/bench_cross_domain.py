@@ -1,14 +1,18 @@
 """Cross-domain calibration: calibrate on one corpus, evaluate on another, and the reverse.
 
     .venv/bin/python benchmarks/bench_cross_domain.py [--model smollm2] [--methods gptq awq] [--scheme W4a-g128]
+        [--calib pydoc ptb generated]
 
 Two corpora of different kinds, the Python documentation (pydoc) and Penn
 Treebank news text (ptb), are each cut in half: calibration windows come only
 from the first half, evaluation windows only from the second, so the
 in-domain cells never see their evaluation text. Every method is calibrated
 on each corpus and evaluated on both (and on WikiText-2, foreign to both);
-RTN, which needs no calibration, is the control. Writes
-benchmarks/results/cross_domain_<model>.json.
+RTN, which needs no calibration, is the control. A third calibration text,
+`generated`, is written by the model itself from the start-of-document token
+(self-calibration: no data, and none of the evaluation texts). Writes
+benchmarks/results/cross_domain_<model>.json, keeping the rows of calibration
+texts not run this time.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from bench_quality import parse_scheme
 from paperback.cli.output import print_table
 from paperback.evaluation import evaluate, load_text
 from paperback.loading import load_model
-from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.calibration import GENERATED, CalibrationConfig, calibration_batch
 from paperback.quantization.model_pass import QuantizeConfig, quantize_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,6 +43,8 @@ def run() -> int:
     parser.add_argument("--scheme", default="W4a-g128")
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib", nargs="+", default=[*CORPORA, GENERATED], choices=[*CORPORA, GENERATED],
+                        help="calibration texts to run (rows of the others are kept from the last run)")
     args = parser.parse_args()
     from results_io import warn_if_busy
 
@@ -55,15 +61,17 @@ def run() -> int:
     bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
     cache: dict = {}
     rows = []
-    plan = [("rtn", None)] + [(m, c) for m in args.methods for c in CORPORA]
+    plan = [("rtn", None)] + [(m, c) for m in args.methods for c in args.calib]
     for method, corpus in plan:
         model = copy.deepcopy(lm.model)
         calibration = None
         if corpus is not None:
-            calibration = calibration_batch(lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5))
+            calibration = calibration_batch(lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5),
+                                            lm.model)
         start = time.perf_counter()
         quantize_model(model, QuantizeConfig(method, scheme), calibration)
-        row = {"method": method, "calibrated_on": corpus and f"{corpus} (1st half)",
+        label = corpus and (f"{corpus} (1st half)" if corpus in CORPORA else f"{corpus} (by the model)")
+        row = {"method": method, "calibrated_on": label,
                "quantize_seconds": time.perf_counter() - start}
         for name, tokens in eval_sets.items():
             r = evaluate(model, tokens, 512, None, lm.model, args.windows, dataset=name, bos_token_id=bos,
@@ -71,11 +79,18 @@ def run() -> int:
             row[name] = {"perplexity": r.perplexity, "kl": r.kl_divergence, "reference_perplexity": r.reference_perplexity}
         rows.append(row)
         print(method, corpus, {n: round(row[n]["kl"], 4) for n in eval_sets}, flush=True)
+    out = RESULTS / f"cross_domain_{args.model}.json"
+    if out.is_file():  # rows of calibration texts not run this time, measured on the same windows and scheme
+        previous = json.loads(out.read_text())
+        if previous["scheme"] == scheme.to_dict() and previous["windows"] == args.windows:
+            ran = {(r["method"], r["calibrated_on"]) for r in rows}
+            rows = rows + [r for r in previous["rows"] if (r["method"], r["calibrated_on"]) not in ran]
+            order = {m: i for i, m in enumerate(["rtn", *args.methods])}
+            rows.sort(key=lambda r: order.get(r["method"], len(order)))
     print_table(f"{args.model} {scheme.label}: perplexity (KL to the full model) by calibration corpus",
                 ["method", "calibrated on"] + list(eval_sets),
                 [[r["method"], r["calibrated_on"] or "-"]
                  + [f"{r[n]['perplexity']:.3f} ({r[n]['kl']:.4f})" for n in eval_sets] for r in rows])
-    out = RESULTS / f"cross_domain_{args.model}.json"
     out.write_text(json.dumps({"model": args.model, "scheme": scheme.to_dict(), "windows": args.windows,
                                "rows": rows}, indent=2))
     print(f"wrote {out}")

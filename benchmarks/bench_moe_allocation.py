@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_moe_allocation.py [--models mixtral-e8k6 qwen2moe-e8k6-s25]
         [--budgets 2.5 3 4] [--windows 32] [--seeds 3] [--part all|moefy|allocation|kv|additivity|speed]
-        [--recompute] [--markdown] [--tag NAME]
+        [--calib pydoc|generated] [--recompute] [--markdown] [--tag NAME]
 
 paperback loads no downloadable MoE model here, so the test models are made from the bundled SmolLM2 by
 `paperback moefy` (each MLP split into experts; docs/moe.md) and kept under ~/.cache/paperback/moefied/.
@@ -17,7 +17,8 @@ by routing frequency, by weight norm, by weight kurtosis, and random rankings (-
 "natscale (isolated)" sums one-expert-at-a-time costs instead. Part additivity measures why the ablation
 fails: each layer's experts quantized together against the sum of their isolated costs.
 Attention, embeddings and the shared expert stay unquantized: the study is the experts' bits. Calibration
-(Hessians, errors, factors, in-context costs) is on pydoc, never on the evaluation texts; the costly part
+(Hessians, errors, factors, in-context costs) is on pydoc, or with --calib generated on windows the MoEfied
+model writes itself (paperback.quantization.calibration), never on the evaluation texts; the costly part
 (candidates and factors, ~10 minutes a model) is cached beside the model (--recompute measures it again).
 Each allocation: KL to the unquantized MoE model and perplexity on --windows windows of 512 tokens spread
 over WikiText-2 and over PTB, and (to tell the calibration domain from the others) over pydoc's windows that
@@ -57,7 +58,7 @@ SETTINGS = {
 }
 SCHEMES = [QuantScheme(b, 64) for b in (2, 3, 4, 8)]
 DATASETS = ("wikitext2", "ptb")
-HELD_OUT = "pydoc_heldout"  # the calibration text's domain, windows disjoint from calibration and probe
+HELD_OUT = "pydoc_heldout"  # pydoc's windows disjoint from calibration and probe (all of them, calibrating on generated)
 ABLATIONS = ("natscale (isolated)",)  # rows shown beside the six methods, not compared with them
 CACHE = Path.home() / ".cache" / "paperback" / "moefied"
 
@@ -100,21 +101,27 @@ def keys_from_text(values: dict) -> dict:
 
 
 def study_configs(args) -> tuple[CalibrationConfig, CalibrationConfig]:
-    """(calibration, probe): pydoc windows of 512 tokens, disjoint seeds."""
-    return (CalibrationConfig(num_samples=args.calib_samples, seq_len=512, seed=1),
-            CalibrationConfig(num_samples=args.probe_samples, seq_len=512, seed=2))
+    """(calibration, probe): windows of 512 tokens of --calib, disjoint seeds."""
+    return (CalibrationConfig(args.calib, num_samples=args.calib_samples, seq_len=512, seed=1),
+            CalibrationConfig(args.calib, num_samples=args.probe_samples, seq_len=512, seed=2))
 
 
 def study_batches(lm, args) -> tuple[torch.Tensor, torch.Tensor]:
     calibration, probe = study_configs(args)
-    return calibration_batch(lm.tokenizer, calibration), calibration_batch(lm.tokenizer, probe)
+    with torch.no_grad():
+        return tuple(calibration_batch(lm.tokenizer, config, lm.model) for config in (calibration, probe))
+
+
+def study_folder(name: str, args) -> Path:
+    """Where a model's costly study inputs are cached, one folder a calibration corpus."""
+    return CACHE / name / ("natscale" if args.calib == "pydoc" else f"natscale-{args.calib}")
 
 
 def held_out_pydoc(tokenizer, args) -> list[int]:
     """The 512-token windows of pydoc that share no token with a calibration or probe window, end to end (so
     `evaluate`'s windows are exactly them)."""
     ids = tokenizer.encode(load_text("pydoc"), add_special_tokens=False)
-    used = [(start, start + config.seq_len) for config in study_configs(args)
+    used = [(start, start + config.seq_len) for config in study_configs(args) if config.corpus == "pydoc"
             for start in calibration_starts(len(ids), config)]
     free = [lo for lo in range(0, len(ids) - 511, 512) if all(lo + 512 <= a or b <= lo for a, b in used)]
     return [t for lo in free for t in ids[lo:lo + 512]]
@@ -126,8 +133,8 @@ def study_inputs(name: str, model, routed: dict, probe: torch.Tensor, args) -> t
     measures them again)."""
     from safetensors.torch import load_file, save_file
 
-    folder = CACHE / name / "natscale"
-    key = {"calib_samples": args.calib_samples, "probe_samples": args.probe_samples,
+    folder = study_folder(name, args)
+    key = {"calib": args.calib, "calib_samples": args.calib_samples, "probe_samples": args.probe_samples,
            "schemes": [s.label for s in SCHEMES], "moefy": SETTINGS[name].to_dict()}
     meta_path, tensors_path = folder / "study.json", folder / "candidates.safetensors"
     if not args.recompute and meta_path.is_file() and tensors_path.is_file():
@@ -163,7 +170,7 @@ def budget_costs(name: str, model, probe: torch.Tensor, candidates: dict, errors
                  context: dict, budget: float, args) -> tuple[float, dict, float]:
     """(KL of the budget's uniform assignment, NatScale's in-context costs, seconds measuring them), cached
     beside the study's inputs."""
-    path = CACHE / name / "natscale" / f"context_{budget:g}.json"
+    path = study_folder(name, args) / f"context_{budget:g}.json"
     if not args.recompute and path.is_file():
         saved = json.loads(path.read_text())
         return saved["base"], keys_from_text(saved["costs"]), saved["seconds"]
@@ -405,8 +412,10 @@ def markdown(results: dict) -> str:
             kl = {(r["method"], r["budget"]): r[f"{HELD_OUT}_kl"] for r in summary}
             held_wins = sum(kl[("natscale", b)] == min(v for (m, bb), v in kl.items() if bb == b and m not in ABLATIONS)
                             for b in budgets)
-            lines.append(f"On held-out pydoc (the calibration text's domain; windows disjoint from calibration and "
-                         f"probe) NatScale is lowest of the six at {held_wins} of {len(budgets)} budgets; against "
+            domain = ("not the calibration text, which the model wrote itself"
+                      if results.get("calibration") == "generated" else
+                      "the calibration text's domain; windows disjoint from calibration and probe")
+            lines.append(f"On held-out pydoc ({domain}) NatScale is lowest of the six at {held_wins} of {len(budgets)} budgets; against "
                          "uniform: " + "; ".join(
                              f"{b:g} bits {kl[('natscale', b)]:.3f} vs {kl[('uniform', b)]:.3f}" for b in budgets)
                          + ".")
@@ -476,6 +485,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--probe-samples", type=int, default=4)
+    parser.add_argument("--calib", choices=["pydoc", "generated"], default="pydoc",
+                        help="calibration and probe text of part allocation: pydoc, or windows the MoEfied model "
+                             "writes itself (self-calibration)")
     parser.add_argument("--part", choices=["all", "moefy", "allocation", "kv", "additivity", "speed"],
                         default="all", help="'all' is moefy and allocation; kv, additivity and speed run alone")
     parser.add_argument("--batch", nargs="+", default=["1", "8"], help="decode batch sizes of part speed")
@@ -512,6 +524,8 @@ def main() -> int:
         "additivity": {"schemes": [s.label for s in SCHEMES]},
     }.get(args.part, {"windows": args.windows, "window_choice": "spread evenly over each text", "context": 512,
                       "schemes": [s.label for s in SCHEMES]}))
+    if args.part in ("all", "allocation"):
+        results["calibration"] = args.calib
     for name in args.models:
         lm, report = moefied(name, dense)
         entry = results["models"].setdefault(name, {})

@@ -142,7 +142,7 @@ class Fit:
                                         cfg.profile.seed, span=cfg.profile.span)
         if not METHODS[cfg.profile.method].calibrated:
             calibration = None
-        batch = calibration_batch(self.lm.tokenizer, calibration) if calibration is not None else None
+        batch = calibration_batch(self.lm.tokenizer, calibration, self.lm.model) if calibration is not None else None
 
         def quantize(model, candidate):
             return quantize_model(model, self._quantize_config(allocator.allocation_of(candidate), allocator), batch,

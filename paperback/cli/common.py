@@ -49,7 +49,9 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
 def add_calibration_args(parser: argparse.ArgumentParser, samples: int) -> None:
     """--calib, --calib-samples, --calib-len and --seed: the text a calibrated command reads (never an evaluation
     text by default)."""
-    parser.add_argument("--calib", default="pydoc", help="calibration corpus name or text file (default pydoc)")
+    parser.add_argument("--calib", default="pydoc",
+                        help="calibration corpus name or text file (default pydoc); 'generated': windows the model "
+                             "samples itself from the start of a document (no text needed)")
     parser.add_argument("--calib-samples", type=int, default=samples, help=f"sequences (default {samples})")
     parser.add_argument("--calib-len", type=int, default=512, help="tokens per sequence (default 512)")
     parser.add_argument("--seed", type=int, default=0)

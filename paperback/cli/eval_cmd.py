@@ -121,7 +121,7 @@ def _kv_setup(args: argparse.Namespace, lm):
     kv_amax, calibration = None, None
     if policy.needs_fp8_calibration(lm.config.num_layers):
         calibration = CalibrationConfig(args.kv_calib, num_samples=16, seq_len=512)
-        kv_amax = calibrate_kv_amax(lm.model, calibration_batch(lm.tokenizer, calibration), progress=not args.json)
+        kv_amax = calibrate_kv_amax(lm.model, calibration_batch(lm.tokenizer, calibration, lm.model), progress=not args.json)
     meta = {"policy": policy.label, **policy.to_dict(lm.config.num_layers), "chunk": args.chunk,
             "fp8_calibration": calibration.to_dict() if calibration else None,
             "bits_at_context": {str(c): policy.bits_at(lm.config, c) for c in args.context}}

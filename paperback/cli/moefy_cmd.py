@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     lm = load_model(args.model)
     config.sizes(lm.config.intermediate_size)  # an uneven split is refused before calibration
-    moe, reports = moefy(lm.model, calibration_batch(lm.tokenizer, config.calibration), config,
+    moe, reports = moefy(lm.model, calibration_batch(lm.tokenizer, config.calibration, lm.model), config,
                          progress=not args.json)
     report = {"source": lm.source.label, "config": config.to_dict(), "moe": moe.config.moe.__dict__,
               "layers": [r.__dict__ for r in reports]}

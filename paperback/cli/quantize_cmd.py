@@ -146,9 +146,9 @@ def _natscale(lm, args, config, schemes, calib_cfg):
 
     if lm.config.moe is None:  # a source whose config _require_experts could not read
         raise UnsupportedModelError(f"--expert-bits needs a mixture-of-experts model; {lm.source.label} is dense")
-    calibration = calibration_batch(lm.tokenizer, calib_cfg)
+    calibration = calibration_batch(lm.tokenizer, calib_cfg, lm.model)
     probe = calibration_batch(lm.tokenizer, CalibrationConfig(calib_cfg.corpus, args.expert_probe_samples,
-                                                              calib_cfg.seq_len, calib_cfg.seed + 1))
+                                                              calib_cfg.seq_len, calib_cfg.seed + 1), lm.model)
     layer_schemes, report = natscale_schemes(lm.model, calibration, probe, schemes, args.expert_bits, args.method,
                                              progress=not args.json)
     return dataclasses.replace(config, layer_schemes={**config.layer_schemes, **layer_schemes}), \

@@ -46,6 +46,12 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
         probe = hf_tokenizer.encode("a", add_special_tokens=True)
         self.adds_bos = self.bos_token_id is not None and bool(probe) and probe[0] == self.bos_token_id
+        # What begins a document in the model's training text: BOS where every text gets one (Llama, Gemma);
+        # else the separator GPT-2-style vocabularies put between documents (SmolLM2's BOS is <|im_start|>,
+        # a chat turn's); else BOS or EOS; None when the tokenizer has none of them.
+        separator = vocab.get("<|endoftext|>")
+        fallback = self.bos_token_id if self.bos_token_id is not None else min(eos, default=None)
+        self.document_start_id = self.bos_token_id if self.adds_bos else separator if separator is not None else fallback
 
         self.template_override: str | None = None  # a chat template given by the user (serve --chat-template)
 

@@ -750,6 +750,13 @@ static int tile_eligible(const QMatrix *m) {
     return (m->bits == 4 || m->bits == 8) && m->k % QBLOCK == 0 && m->group_size % QBLOCK == 0;
 }
 
+/* The float quad and tile kernels' shapes: 4- or 8-bit codes, groups of whole blocks (or a single group); k
+ * need not be a multiple of 32 (a Qwen2-MoE expert's down projection reads 144): the whole blocks go the fast
+ * way and the last k % 32 columns, all in the last group (group edges are multiples of 32), as a tail. */
+static int float_tile_eligible(const QMatrix *m) {
+    return (m->bits == 4 || m->bits == 8) && (m->group_size % QBLOCK == 0 || m->groups == 1);
+}
+
 
 
 #ifdef PB_X86
@@ -929,10 +936,13 @@ AVX2 static void tile_int8_avx2(const QMatrix *m, int64_t r0, int nr, const Int8
 }
 #endif
 
-/* x in the order a 4-bit block's packed bytes give its codes: evens (low nibbles), then odds. */
+/* x in the order a 4-bit block's packed bytes give its codes: evens (low nibbles), then odds; a tail shorter
+ * than a block stays in its own order (float_tail unpacks it so). */
 static void nibble_order(const float *x, int64_t k, float *out) {
-    for (int64_t b = 0; b < k; b += QBLOCK)
+    int64_t b = 0;
+    for (; b + QBLOCK <= k; b += QBLOCK)
         for (int i = 0; i < QBLOCK; i++) out[b + (i & 1) * (QBLOCK / 2) + (i >> 1)] = x[b + i];
+    for (; b < k; b++) out[b] = x[b];
 }
 
 #ifdef PB_X86
@@ -976,6 +986,30 @@ AVX512 static inline void block_halves(const QMatrix *m, const uint8_t *row, int
     }
 }
 
+/* The codes of a row's last k % 32 columns (past its whole blocks) as floats in column order, two halves of
+ * sixteen, zero beyond k. */
+AVX512 static inline void tail_codes(const QMatrix *m, const uint8_t *row, __m512 *c0, __m512 *c1) {
+    const int64_t first = m->k / QBLOCK * QBLOCK, count = m->k - first;
+    __m128i lo, hi;
+    if (m->bits == 4) { /* ceil(count / 2) bytes, low nibble first: interleaved back to column order */
+        const __m128i low4 = _mm_set1_epi8(0x0f);
+        const __m128i v = _mm_maskz_loadu_epi8((__mmask16)((1u << ((count + 1) / 2)) - 1), row + first / 2);
+        const __m128i evens = _mm_and_si128(v, low4), odds = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        lo = _mm_unpacklo_epi8(evens, odds), hi = _mm_unpackhi_epi8(evens, odds);
+    } else {
+        lo = _mm_maskz_loadu_epi8((__mmask16)((1u << (count < 16 ? count : 16)) - 1), row + first);
+        hi = _mm_maskz_loadu_epi8((__mmask16)((1u << (count > 16 ? count - 16 : 0)) - 1), row + first + 16);
+    }
+    *c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), *c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+}
+
+/* The activations of the tail's columns, zero beyond k (so a 4-bit tail's padding nibble adds nothing). */
+AVX512 static inline void tail_acts(const QMatrix *m, const float *x, __m512 *x0, __m512 *x1) {
+    const int64_t first = m->k / QBLOCK * QBLOCK, count = m->k - first;
+    *x0 = _mm512_maskz_loadu_ps((__mmask16)((1u << (count < 16 ? count : 16)) - 1), x + first);
+    *x1 = _mm512_maskz_loadu_ps((__mmask16)((1u << (count > 16 ? count - 16 : 0)) - 1), x + first + 16);
+}
+
 /* Four rows' y from float activations: 16 codes become floats and meet x in one multiply-add; per group
  * the scale is applied once and the zero point through the group sum of x (xsum). */
 AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *x, const float *xsum, float *y) {
@@ -994,6 +1028,15 @@ AVX512 static void quad_float_avx512(const QMatrix *m, int64_t r0, const float *
                 block_halves(m, rows[i], b, &c0, &c1);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0)), x0, acc[i]);
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1)), x1, acc[i]);
+            }
+        }
+        if (g == m->groups - 1 && m->k % QBLOCK) { /* the tail lies in the last group */
+            __m512 x0, x1;
+            tail_acts(m, x, &x0, &x1);
+            for (int i = 0; i < QUAD; i++) {
+                __m512 c0, c1;
+                tail_codes(m, rows[i], &c0, &c1);
+                acc[i] = _mm512_fmadd_ps(c1, x1, _mm512_fmadd_ps(c0, x0, acc[i]));
             }
         }
         for (int i = 0; i < QUAD; i++)
@@ -1062,6 +1105,20 @@ AVX512 static inline __attribute__((always_inline)) void tile_float_body(const Q
                 total[4 * i + j] = _mm512_fmadd_ps(c1[i], x1, _mm512_fmadd_ps(c0[i], x0, total[4 * i + j]));
         }
         if (--left == 0) left = per_group, g++;
+    }
+    if (m->k % QBLOCK) { /* the tail, in the last group */
+        __m512 c0[TILE_ROWS], c1[TILE_ROWS];
+        for (int i = 0; i < TILE_ROWS; i++) {
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(scales[i][m->groups - 1]));
+            tail_codes(m, rows[i], &c0[i], &c1[i]);
+            c0[i] = _mm512_mul_ps(c0[i], s), c1[i] = _mm512_mul_ps(c1[i], s);
+        }
+        for (int j = 0; j < R; j++) {
+            __m512 x0, x1;
+            tail_acts(m, x + (j0 + j) * m->k, &x0, &x1);
+            for (int i = 0; i < TILE_ROWS; i++)
+                total[4 * i + j] = _mm512_fmadd_ps(c1[i], x1, _mm512_fmadd_ps(c0[i], x0, total[4 * i + j]));
+        }
     }
     tile_finish(m, r0, xsum, j0, R, total, y);
 }
@@ -1604,7 +1661,7 @@ static void *call_buffer(int which, size_t bytes) { return grown(&call_buffers[w
 static void quad_rows(const QMatrix *m, int64_t r0, int64_t r1, const float *x, const float *xq, const float *xsum,
                       const Int8Acts *a, int use_int8, int64_t rows, Scratch *s, float *y) {
 #ifdef PB_X86
-    if (r1 - r0 == QUAD && tile_eligible(m)) {
+    if (r1 - r0 == QUAD && (use_int8 ? tile_eligible(m) : float_tile_eligible(m))) {
         if (use_int8 && simd_level >= LEVEL_VNNI && pairs_in_groups(m)) {
             if (rows == 1)
                 quad_int8_vnni(m, r0, a, y);
@@ -1681,7 +1738,7 @@ static int gemm_many(const QMatrix *ms, int count, const float *x, int64_t rows,
     } else { /* group sums of x, for applying zero points once per group */
         xsum = call_buffer(4, sizeof(float) * (size_t)(rows * m0->groups));
         if (!xsum) return -1;
-        if (tile_eligible(m0) && m0->bits == 4 && simd_level >= LEVEL_AVX512) {
+        if (float_tile_eligible(m0) && m0->bits == 4 && simd_level >= LEVEL_AVX512) {
             xq = call_buffer(5, sizeof(float) * (size_t)(rows * m0->k));
             if (!xq) return -1;
             for (int64_t i = 0; i < rows; i++) nibble_order(x + i * m0->k, m0->k, xq + i * m0->k);

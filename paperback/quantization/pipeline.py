@@ -18,7 +18,7 @@ def quantize_to_checkpoint(lm, config: QuantizeConfig, calibration: CalibrationC
     calibration: the samples GPTQ and AWQ read (None for RTN). extra_recipe: more
     recipe entries (a fitted checkpoint's KV policy and allocation).
     """
-    batch = calibration_batch(lm.tokenizer, calibration) if METHODS[config.method].calibrated else None
+    batch = calibration_batch(lm.tokenizer, calibration, lm.model) if METHODS[config.method].calibrated else None
     start = time.perf_counter()
     quantized = quantize_model(lm.model, config, batch, progress=progress)
     return save_quantized(lm, config, calibration if batch is not None else None, quantized,

@@ -46,3 +46,23 @@ def test_calibration_errors(corpus):
         CalibrationConfig(corpus, span=0)
     with pytest.raises(PaperbackError, match="at least 1 sample"):
         CalibrationConfig(corpus, num_samples=0)
+
+
+def test_generated_windows_are_the_models_own_text_seeded(smollm2):
+    config = CalibrationConfig("generated", num_samples=3, seq_len=24, seed=7)
+    batch = calibration_batch(smollm2.tokenizer, config, smollm2.model)
+    separator = smollm2.tokenizer.hf.get_vocab()["<|endoftext|>"]  # SmolLM2's BOS starts a chat turn instead
+    assert batch.shape == (3, 24) and batch.dtype == torch.long and (batch[:, 0] == separator).all()
+    assert len({tuple(row) for row in batch.tolist()}) == 3  # sampled, not one greedy text three times
+    assert torch.equal(batch, calibration_batch(smollm2.tokenizer, config, smollm2.model))
+    other = calibration_batch(smollm2.tokenizer, CalibrationConfig("generated", 3, 24, seed=8), smollm2.model)
+    assert not torch.equal(batch, other)
+    with torch.no_grad():  # text from the model's distribution: far likelier to it than uniform tokens
+        logits = smollm2.model(batch, 0, None)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+    assert nll < 0.5 * torch.log(torch.tensor(float(logits.shape[-1])))
+
+
+def test_generated_windows_need_the_model():
+    with pytest.raises(PaperbackError, match="sampled from the model"):
+        calibration_batch(PositionTokenizer(), CalibrationConfig("generated", 2, 16))

@@ -38,7 +38,9 @@ def test_the_kernel_is_built():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, kernels.GEMV_MAX_ROWS + 1])
 def test_kernel_matches_the_reference(scheme, rows, simd):
     # 584 and 45 exercise tails that are not multiples of the SIMD width or the group size.
-    for out_features, in_features in [(48, 576), (33, 584), (5, 45)]:
+    # 144 and 584 leave a tail of 16 and 8 columns past the last whole block of 32 (144: a Qwen2-MoE expert's
+    # down projection); 45 has one block and a tail
+    for out_features, in_features in [(48, 576), (33, 584), (8, 144), (5, 45)]:
         layer = make_layer(scheme, out_features, in_features)
         x = torch.randn(2, rows, in_features)
         got, want = layer(x), layer.reference_forward(x)
@@ -50,7 +52,7 @@ def test_kernel_matches_the_reference(scheme, rows, simd):
 def test_decoding_one_token_matches_the_reference(scheme, simd):
     # One activation row takes the four-rows-at-a-time kernels where the shape allows: row counts that
     # are not multiples of four leave a tail, and 608 (19 blocks of 32) ends a group early.
-    for out_features, in_features in [(48, 576), (7, 1536), (5, 608), (6, 45)]:
+    for out_features, in_features in [(48, 576), (7, 1536), (5, 608), (8, 144), (12, 81), (6, 45)]:
         layer = make_layer(scheme, out_features, in_features)
         x = torch.randn(in_features) * torch.linspace(0.1, 4, in_features)
         assert max_rel_error(layer(x), layer.reference_forward(x)) < 2e-6, (scheme.label, out_features, in_features)
