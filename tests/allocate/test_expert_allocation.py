@@ -90,7 +90,8 @@ def test_budgets_below_two_bits_are_refused(study):
         ea.ranking_allocation(factors, sizes, BITS, 1.9)
 
 
-def test_quantize_cli_allocates_expert_bits_with_natscale(tmp_path, smollm2, capsys):
+@pytest.mark.parametrize("calib", ["pydoc", "generated"])  # generated: the MoE model writes its own windows
+def test_quantize_cli_allocates_expert_bits_with_natscale(tmp_path, smollm2, capsys, calib):
     import json
 
     from paperback.cli import main
@@ -101,8 +102,10 @@ def test_quantize_cli_allocates_expert_bits_with_natscale(tmp_path, smollm2, cap
     out = tmp_path / "q"
     assert main(["quantize", str(tmp_path / "moe"), "-o", str(out), "--method", "gptq", "--bits", "8",
                  "--group-size", "32", "--expert-bits", "3", "--expert-schemes", "W2a-g32,W3a-g32,W4a-g32,W8a-g32",
-                 "--calib-samples", "4", "--calib-len", "64", "--expert-probe-samples", "2", "--json"]) == 0
+                 "--calib-samples", "4", "--calib-len", "64", "--expert-probe-samples", "2", "--calib", calib,
+                 "--json"]) == 0
     recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["calibration"]["corpus"] == calib
     report = recipe["expert_allocation"]
     assert report["method"] == "natscale" and report["average_bits"] <= 3.0 + 1e-9
     assert len(report["experts"]) == 3 * 6

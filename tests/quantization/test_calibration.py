@@ -66,3 +66,7 @@ def test_generated_windows_are_the_models_own_text_seeded(smollm2):
 def test_generated_windows_need_the_model():
     with pytest.raises(PaperbackError, match="sampled from the model"):
         calibration_batch(PositionTokenizer(), CalibrationConfig("generated", 2, 16))
+
+
+def test_a_document_starts_at_bos_where_every_text_gets_one(gemma3):
+    assert gemma3.tokenizer.adds_bos and gemma3.tokenizer.document_start_id == gemma3.tokenizer.bos_token_id
