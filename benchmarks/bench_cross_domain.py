@@ -76,7 +76,8 @@ def run() -> int:
         for name, tokens in eval_sets.items():
             r = evaluate(model, tokens, 512, None, lm.model, args.windows, dataset=name, bos_token_id=bos,
                          reference_cache=cache)
-            row[name] = {"perplexity": r.perplexity, "kl": r.kl_divergence, "reference_perplexity": r.reference_perplexity}
+            row[name] = {"perplexity": r.perplexity, "kl": r.kl_divergence,
+                         "reference_perplexity": r.reference_perplexity}
         rows.append(row)
         print(method, corpus, {n: round(row[n]["kl"], 4) for n in eval_sets}, flush=True)
     out = RESULTS / f"cross_domain_{args.model}.json"

@@ -58,7 +58,8 @@ SETTINGS = {
 }
 SCHEMES = [QuantScheme(b, 64) for b in (2, 3, 4, 8)]
 DATASETS = ("wikitext2", "ptb")
-HELD_OUT = "pydoc_heldout"  # pydoc's windows disjoint from calibration and probe (all of them, calibrating on generated)
+# pydoc's windows disjoint from calibration and probe (all of them when calibrating on generated text)
+HELD_OUT = "pydoc_heldout"
 ABLATIONS = ("natscale (isolated)",)  # rows shown beside the six methods, not compared with them
 CACHE = Path.home() / ".cache" / "paperback" / "moefied"
 
@@ -415,7 +416,8 @@ def markdown(results: dict) -> str:
             domain = ("not the calibration text, which the model wrote itself"
                       if results.get("calibration") == "generated" else
                       "the calibration text's domain; windows disjoint from calibration and probe")
-            lines.append(f"On held-out pydoc ({domain}) NatScale is lowest of the six at {held_wins} of {len(budgets)} budgets; against "
+            lines.append(f"On held-out pydoc ({domain}) NatScale is lowest of the six at {held_wins} of "
+                         f"{len(budgets)} budgets; against "
                          "uniform: " + "; ".join(
                              f"{b:g} bits {kl[('natscale', b)]:.3f} vs {kl[('uniform', b)]:.3f}" for b in budgets)
                          + ".")
@@ -530,7 +532,8 @@ def main() -> int:
         lm, report = moefied(name, dense)
         entry = results["models"].setdefault(name, {})
         entry["build"] = {"config": report["config"], "build_seconds": report.get("build_seconds"),
-                          "mean_router_recall": sum(r["router_recall"] for r in report["layers"]) / len(report["layers"]),
+                          "mean_router_recall": (sum(r["router_recall"] for r in report["layers"])
+                                                 / len(report["layers"])),
                           "mean_error": sum(r["error"] for r in report["layers"]) / len(report["layers"])}
         if args.part in ("all", "moefy"):
             with torch.no_grad():
@@ -583,7 +586,8 @@ def main() -> int:
                         ["bits", "method", "avg bits", "predicted KL", *[f"{d} KL" for d in DATASETS],
                          *[f"{d} ppl" for d in DATASETS]],
                         [[f"{r['budget']:g}", r["method"], f"{r['average_bits']:.3f}", f"{r['predicted_kl']:.4f}",
-                          *[f"{r[f'{d}_kl']:.4f}" for d in DATASETS], *[f"{r[f'{d}_perplexity']:.2f}" for d in DATASETS]]
+                          *[f"{r[f'{d}_kl']:.4f}" for d in DATASETS],
+                          *[f"{r[f'{d}_perplexity']:.2f}" for d in DATASETS]]
                          for r in summarize(entry["allocation"])])
     if any("allocation" in e for e in results["models"].values()):
         figure = Path(__file__).parent / "results" / out_name.replace(".json", ".png")

@@ -51,7 +51,8 @@ class Tokenizer:
         # a chat turn's); else BOS or EOS; None when the tokenizer has none of them.
         separator = vocab.get("<|endoftext|>")
         fallback = self.bos_token_id if self.bos_token_id is not None else min(eos, default=None)
-        self.document_start_id = self.bos_token_id if self.adds_bos else separator if separator is not None else fallback
+        self.document_start_id = (self.bos_token_id if self.adds_bos
+                                  else separator if separator is not None else fallback)
 
         self.template_override: str | None = None  # a chat template given by the user (serve --chat-template)
 
