@@ -60,14 +60,17 @@ def run() -> int:
     eval_sets["wikitext2"] = encode("wikitext2")
     bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
     cache: dict = {}
+    batches: dict[str, object] = {}
     rows = []
     plan = [("rtn", None)] + [(m, c) for m in args.methods for c in args.calib]
     for method, corpus in plan:
         model = copy.deepcopy(lm.model)
         calibration = None
-        if corpus is not None:
-            calibration = calibration_batch(lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5),
-                                            lm.model)
+        if corpus is not None:  # one batch per corpus, shared by the methods (generated text takes minutes)
+            if corpus not in batches:
+                batches[corpus] = calibration_batch(
+                    lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5), lm.model)
+            calibration = batches[corpus]
         start = time.perf_counter()
         quantize_model(model, QuantizeConfig(method, scheme), calibration)
         label = corpus and (f"{corpus} (1st half)" if corpus in CORPORA else f"{corpus} (by the model)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from paperback.errors import DatasetError, PaperbackError
 from paperback.evaluation.datasets import load_text
@@ -66,10 +67,12 @@ def calibration_batch(tokenizer, config: CalibrationConfig, model=None) -> torch
     return torch.stack([tokens[s:s + config.seq_len] for s in calibration_starts(len(ids), config)])
 
 
-def generated_batch(model, tokenizer, config: CalibrationConfig, batch: int = 16) -> torch.Tensor:
+def generated_batch(model, tokenizer, config: CalibrationConfig, batch: int = 64) -> torch.Tensor:
     """(num_samples, seq_len) windows the model writes from the token that begins a document in its training
     text (Tokenizer.document_start_id), `batch` at a time, seeded by config.seed; EOS does not stop a window
-    (the model goes on to a new document, as in packed training text)."""
+    (the model goes on to a new document, as in packed training text). 64 rows a batch write 1.4x the tokens/s
+    of 16 on SmolLM2 (2 cores, fp32); each batch is seeded by its first row's index, so the text depends on
+    `batch` once num_samples exceeds the smaller one."""
     from paperback.generation.generate import generate_tokens
     from paperback.generation.sampling import SamplingParams
 
@@ -78,10 +81,17 @@ def generated_batch(model, tokenizer, config: CalibrationConfig, batch: int = 16
         raise PaperbackError(f"calibration corpus '{GENERATED}' starts each window at the token that begins a "
                              "document (BOS, <|endoftext|> or EOS), and this tokenizer has none")
     windows = []
-    for first in range(0, config.num_samples, batch):
-        rows = min(batch, config.num_samples - first)
-        params = SamplingParams(max_tokens=config.seq_len - 1, temperature=GENERATED_TEMPERATURE,
-                                top_p=GENERATED_TOP_P, seed=config.seed * 1_000_003 + first, ignore_eos=True)
-        prompt = torch.full((rows, 1), start, dtype=torch.long)
-        windows.append(torch.cat([prompt, torch.stack(list(generate_tokens(model, prompt, params)), dim=1)], 1))
+    # tqdm shows the bar on a terminal only (disable=None), so logs and tests stay quiet.
+    with tqdm(total=config.num_samples * (config.seq_len - 1), desc="writing calibration windows", unit="tok",
+              disable=None) as bar:
+        for first in range(0, config.num_samples, batch):
+            rows = min(batch, config.num_samples - first)
+            params = SamplingParams(max_tokens=config.seq_len - 1, temperature=GENERATED_TEMPERATURE,
+                                    top_p=GENERATED_TOP_P, seed=config.seed * 1_000_003 + first, ignore_eos=True)
+            prompt = torch.full((rows, 1), start, dtype=torch.long)
+            tokens = []
+            for token in generate_tokens(model, prompt, params):
+                tokens.append(token)
+                bar.update(rows)
+            windows.append(torch.cat([prompt, torch.stack(tokens, dim=1)], 1))
     return torch.cat(windows)
