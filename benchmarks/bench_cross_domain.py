@@ -60,22 +60,25 @@ def run() -> int:
     eval_sets["wikitext2"] = encode("wikitext2")
     bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
     cache: dict = {}
-    batches: dict[str, object] = {}
+    batches: dict[str, tuple] = {}  # corpus: (token ids, seconds to make them)
     rows = []
     plan = [("rtn", None)] + [(m, c) for m in args.methods for c in args.calib]
     for method, corpus in plan:
         model = copy.deepcopy(lm.model)
-        calibration = None
+        calibration, calibration_seconds = None, None
         if corpus is not None:  # one batch per corpus, shared by the methods (generated text takes minutes)
             if corpus not in batches:
-                batches[corpus] = calibration_batch(
-                    lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5), lm.model)
-            calibration = batches[corpus]
+                start = time.perf_counter()
+                batch = calibration_batch(lm.tokenizer, CalibrationConfig(corpus, args.calib_samples, 512, span=0.5),
+                                          lm.model)
+                batches[corpus] = batch, time.perf_counter() - start
+            calibration, calibration_seconds = batches[corpus]
         start = time.perf_counter()
         quantize_model(model, QuantizeConfig(method, scheme), calibration)
         label = corpus and (f"{corpus} (1st half)" if corpus in CORPORA else f"{corpus} (by the model)")
         row = {"method": method, "calibrated_on": label,
-               "quantize_seconds": time.perf_counter() - start}
+               "quantize_seconds": time.perf_counter() - start,
+               "calibration_seconds": calibration_seconds}
         for name, tokens in eval_sets.items():
             r = evaluate(model, tokens, 512, None, lm.model, args.windows, dataset=name, bos_token_id=bos,
                          reference_cache=cache)
