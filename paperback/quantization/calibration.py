@@ -70,9 +70,9 @@ def calibration_batch(tokenizer, config: CalibrationConfig, model=None) -> torch
 def generated_batch(model, tokenizer, config: CalibrationConfig, batch: int = 64) -> torch.Tensor:
     """(num_samples, seq_len) windows the model writes from the token that begins a document in its training
     text (Tokenizer.document_start_id), `batch` at a time, seeded by config.seed; EOS does not stop a window
-    (the model goes on to a new document, as in packed training text). 64 rows a batch write 1.4x the tokens/s
-    of 16 on SmolLM2 (2 cores, fp32); each batch is seeded by its first row's index, so the text depends on
-    `batch` once num_samples exceeds the smaller one."""
+    (the model goes on to a new document, as in packed training text). Wide batches share each step's weight
+    reads among more rows; each batch is seeded by its first row's index, so the text depends on `batch` once
+    num_samples exceeds the smaller one."""
     from paperback.generation.generate import generate_tokens
     from paperback.generation.sampling import SamplingParams
 
