@@ -86,3 +86,31 @@ def warn_if_busy(own_threads: int = 0) -> float:
         print(f"warning: load average {load:.2f} on {os.cpu_count()} cores ({mine}); other work is running and "
               "the timings are disturbed", file=sys.stderr)
     return load
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("unknown" where it is not there)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def provenance(threads: int) -> dict:
+    """What a result was measured on: command line, git commit, CPU, threads, date (UTC)."""
+    import datetime
+    import os
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit + ("+dirty" if dirty else ""),
+            "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

@@ -55,9 +55,72 @@ def register(sub) -> None:
                    help="candidate schemes for --expert-bits (default W2a-g64,W3a-g64,W4a-g64,W8a-g64)")
     p.add_argument("--expert-probe-samples", type=int, default=4,
                    help="--expert-bits: calibration sequences each expert's KL probe runs on (default 4)")
+    p.add_argument("--gguf", default=None, metavar="TYPE",
+                   help="write one GGUF file (-o FILE.gguf) instead of a checkpoint: a llama.cpp recipe (Q4_K_M, "
+                        "Q3_K_M, Q5_K_M, Q4_0, ...: its type for every tensor, as llama-quantize chooses them) or "
+                        "one GGUF type for every tensor (Q4_K, Q6_K, Q8_0, F16, F32, ...; llama.cpp's stand-in "
+                        "where a type cannot tile a row). --method rtn (scales searched, weighted by the "
+                        "calibration text's activations, like an importance matrix) or gptq onto those grids "
+                        "(default: off)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     add_json_arg(p)
-    p.set_defaults(func=run)
+    # What CHECKPOINT_ONLY's options default to, to tell which a user changed.
+    p.set_defaults(func=run, checkpoint_defaults={k: p.get_default(k) for k in CHECKPOINT_ONLY})
+
+
+# Options that choose paperback's own schemes, which a GGUF output replaces with GGUF's types.
+CHECKPOINT_ONLY = ("bits", "group_size", "sym", "targets", "edge_scheme", "expert_bits", "no_clip")
+
+
+def _gguf_types(lm, name: str) -> dict:
+    """{param: GGUF type} for --gguf NAME: a recipe's choices, or one type everywhere."""
+    from paperback.export.gguf_quantize import gguf_types_for, uniform_types
+    from paperback.quantization.gguf_recipes import RECIPES, recipe
+    from paperback.quantization.gguf_types import gguf_type
+
+    if name.upper() in RECIPES:
+        return gguf_types_for(lm.config, recipe(name))
+    return uniform_types(lm.config, gguf_type(name))
+
+
+def _run_gguf(args: argparse.Namespace, parser_defaults: dict) -> int:
+    from collections import Counter
+
+    from paperback.errors import PaperbackError
+    from paperback.export.gguf_quantize import quantize_to_gguf
+    from paperback.loading import load_model
+    from paperback.quantization.calibration import calibration_batch
+    from paperback.quantization.gguf_recipes import RECIPES
+    from paperback.quantization.gguf_types import GGUF_TYPES
+
+    changed = [k for k in CHECKPOINT_ONLY if getattr(args, k) != parser_defaults[k]]
+    if changed:
+        raise PaperbackError(f"--{changed[0].replace('_', '-')} chooses paperback's own schemes; --gguf gives every "
+                             "tensor a GGUF type instead")
+    if args.method == "awq":
+        raise PaperbackError("--gguf quantizes by rtn or gptq; AWQ onto GGUF's types is not built yet")
+    if args.gguf.upper() not in RECIPES and args.gguf.upper() not in GGUF_TYPES:
+        raise PaperbackError(f"--gguf {args.gguf}: not a llama.cpp recipe ({', '.join(RECIPES)}) or a GGUF type "
+                             f"({', '.join(GGUF_TYPES)})")
+    if args.output.suffix != ".gguf":
+        raise PaperbackError(f"--gguf writes one file: give -o a name ending in .gguf, not {args.output}")
+    if args.output.exists() and not args.overwrite:
+        raise PaperbackError(f"{args.output} exists; pass --overwrite to replace it")
+    lm = load_model(args.model, "fp32")
+    types = _gguf_types(lm, args.gguf)  # refused before any work where the model cannot take them
+    calibration = calibration_batch(lm.tokenizer, calibration_config(args, args.calib_samples), lm.model)
+    summary = quantize_to_gguf(lm, types, args.output, args.method, calibration, args.overwrite,
+                               progress=not args.json, metadata={"gguf": args.gguf.upper(),
+                                                                 "calibration": calibration_config(
+                                                                     args, args.calib_samples).to_dict()})
+    summary["types"] = dict(Counter(t.name for t in types.values()))
+    if args.json:
+        print_json(summary)
+    else:
+        print_table(f"{lm.source.label} as GGUF {args.gguf.upper()} ({args.method})", ["field", "value"],
+                    [[k, v] for k, v in summary.items()])
+        note(f"run it with llama.cpp: llama-cli -m {args.output}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM, QuantizeConfig, parse_targets
     from paperback.quantization.pipeline import quantize_to_checkpoint
 
+    if args.gguf is not None:
+        return _run_gguf(args, args.checkpoint_defaults)
     if args.output.exists() and any(args.output.iterdir()) and not args.overwrite:
         raise PaperbackError(f"{args.output} exists and is not empty; pass --overwrite to replace it")
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)

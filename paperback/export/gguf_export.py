@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.quantization.gguf_pack import to_bytes
+from paperback.quantization.gguf_weight import GGUFWeight
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme
 
@@ -115,11 +117,7 @@ def _model_tensors(model):
 
 def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: bool = True) -> dict:
     """Write `checkpoint` (a paperback directory) as the GGUF file `out`; returns what was written."""
-    import gguf
-    from tqdm.auto import tqdm
-
     from paperback.loading import load_model
-    from paperback.loading.weight_names import GGUF_ARCHS, GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES
     from paperback.quantization.checkpoint import config_from_recipe, read_recipe
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -138,7 +136,48 @@ def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: 
         raise PaperbackError(f"{checkpoint} stores {banded[0]} in bands of vocabulary rows at different schemes "
                              "(paperback's own layout); a GGUF tensor has one type. Fit again with "
                              "--no-head-bands to export it as GGUF")
-    config = lm.config
+    tensors = list(_model_tensors(lm.model))
+    for name, value in tensors:  # every refusal before a byte is written
+        if isinstance(value, QuantizedWeight):
+            block_type(value.scheme, value.shape[1], name)
+    return write_gguf(source, lm.config, tensors, out, progress)
+
+
+def value_numel(value) -> int:
+    return int(np.prod(value.shape))
+
+
+def _encoded(value) -> tuple[np.ndarray, object, str]:
+    """(data, gguf raw type or None for a float array, type name) of one tensor as GGUF stores it."""
+    import gguf
+
+    if isinstance(value, QuantizedWeight):
+        kind = block_type(value.scheme, value.shape[1], "tensor")
+        return encode_blocks(value, kind), gguf.GGMLQuantizationType[kind.name], kind.name
+    if isinstance(value, GGUFWeight):
+        data = to_bytes(value)
+        raw = gguf.GGMLQuantizationType[value.kind.name] if data.dtype == np.uint8 else None
+        return data, raw, value.kind.name
+    return value.numpy().astype(np.float32), None, "F32"
+
+
+# The file type llama.cpp's tools report: that of the type most of the weights take.
+FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+              "Q5_1": "MOSTLY_Q5_1", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0",
+              "Q6_K": "MOSTLY_Q6_K", "Q5_K": "MOSTLY_Q5_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q3_K": "MOSTLY_Q3_K_M",
+              "Q2_K": "MOSTLY_Q2_K"}
+
+
+def write_gguf(source: Path, config, tensors: list, out: Path, progress: bool = True,
+               extra: dict[str, str] | None = None) -> dict:
+    """Write `tensors` [(paperback param name, QuantizedWeight, GGUFWeight or fp32 tensor)] as the GGUF file
+    `out`, with the metadata (tokenizer, chat template, architecture) of the GGUF file `source` and the string
+    fields `extra`. Written to a temporary name and renamed, so a failure leaves no partial file."""
+    import gguf
+    from tqdm.auto import tqdm
+
+    from paperback.loading.weight_names import GGUF_ARCHS, GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES
+
     reader = gguf.GGUFReader(source)
     arch_name = str(reader.fields["general.architecture"].contents())
     arch = GGUF_ARCHS[arch_name]
@@ -153,40 +192,32 @@ def export_gguf(checkpoint: Path, out: Path, overwrite: bool = False, progress: 
         module, _, kind = rest.rpartition(".")
         return f"blk.{layer}.{block_names[module]}.{kind}"
 
-    tensors = list(_model_tensors(lm.model))
-    kinds = {}
-    for name, value in tensors:  # every refusal before a byte is written
-        if isinstance(value, QuantizedWeight):
-            kinds[name] = block_type(value.scheme, value.shape[1], name)
     tmp = out.with_name(out.name + f".partial{os.getpid()}")
     writer = gguf.GGUFWriter(tmp, arch_name)
     skip = {"general.architecture", "general.alignment", "general.file_type"}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in skip:
+        if key.startswith(("GGUF.", "paperback.")) or key in skip:
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub)
+    for key, value in (extra or {}).items():
+        writer.add_string(key, value)
     counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
     for name, value in tqdm(tensors, desc="export gguf", unit="tensor", disable=None if progress else True,
                             leave=False):
         target = gguf_name(name)
-        if isinstance(value, QuantizedWeight):
-            kind = kinds[name]
-            data = encode_blocks(value, kind)
-            qtype = gguf.GGMLQuantizationType[kind.name]
-        else:
-            data, qtype = value.numpy().astype(np.float32), None
-            if arch.norm_offset and "norm.weight" in target:
-                data = data + np.float32(arch.norm_offset)
+        data, qtype, kind_name = _encoded(value)
+        if arch.norm_offset and "norm.weight" in target:
+            data = data + np.float32(arch.norm_offset)
         if arch.unpermute_qk and target.endswith(("attn_q.weight", "attn_k.weight")):
             data = permute_rope_rows(data, config.num_heads if ".attn_q." in target else config.num_kv_heads)
-        kind_name = qtype.name if qtype is not None else "F32"
         counts[kind_name] = counts.get(kind_name, 0) + 1
+        sizes[kind_name] = sizes.get(kind_name, 0) + value_numel(value)
         writer.add_tensor(target, np.ascontiguousarray(data), raw_dtype=qtype)
-    linear = max((k for k in counts if k != "F32"), key=counts.get, default="F32")
-    writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(linear, gguf.LlamaFileType.ALL_F32))
+    linear = max((k for k in sizes if k != "F32"), key=sizes.get, default="F32")
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[linear]])
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.quantization.gguf_search import nearest_codes, quantize_gguf, search_grid
+from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.rtn import QuantizedWeight, check_weight, group_params, quantize_codes
 from paperback.quantization.scheme import QuantScheme
 
@@ -59,11 +61,11 @@ class HessianAccumulator:
             self.H += (2.0 / self.rows) * (x.T @ x)
 
 
-def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
-                  config: GPTQConfig = GPTQConfig()) -> QuantizedWeight:
-    """Quantize weight (out, in) given the Hessian H (in, in) of its inputs."""
+def _prepared(weight: torch.Tensor, H: torch.Tensor, config: GPTQConfig):
+    """(W, perm, Hinv): the weight in visiting order (fp64, dead inputs zeroed), the order, and the upper
+    Cholesky factor of the dampened inverse Hessian in that order."""
     check_weight(weight)
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     if H.shape != (in_features, in_features):
         raise PaperbackError(f"Hessian shape {tuple(H.shape)} does not match in_features {in_features}")
     W = weight.double().clone()
@@ -71,7 +73,50 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
     dead = torch.diag(H) == 0  # inputs never active: their weights cannot matter
     H[dead, dead] = 1
     W[:, dead] = 0
+    perm = torch.argsort(torch.diag(H), descending=True) if config.act_order else torch.arange(in_features)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += config.damp * torch.mean(torch.diag(H)) * torch.eye(in_features, dtype=H.dtype)
+    try:
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise PaperbackError("GPTQ: the Hessian is not positive definite; raise damp or add calibration data") from None
+    return W, perm, Hinv
 
+
+def _gptq_columns(W: torch.Tensor, perm: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column):
+    """Codes (out, in) in natural column order. Columns are visited in `perm` order; round_column(col, w,
+    remaining) gives (codes, dequantized values) of column `col` from its current values w, and may read
+    `remaining()`: the current values of every column from this one on, in visiting order."""
+    in_features = W.shape[1]
+    Q = torch.zeros_like(W)
+    for i1 in range(0, in_features, block_size):
+        i2 = min(i1 + block_size, in_features)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q, dq = round_column(int(perm[i1 + i]), w, lambda: torch.cat([W1[:, i:], W[:, i2:]], dim=1))
+            Q[:, i1 + i] = q
+            err = (w - dq) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    codes = torch.empty_like(Q)
+    codes[:, perm] = Q
+    return codes
+
+
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme, config: GPTQConfig = GPTQConfig()):
+    """Quantize weight (out, in) given the Hessian H (in, in) of its inputs. `scheme`: a QuantScheme, or a
+    GGUF type (gguf_types.GGUFType), whose stored scales are searched first, weighted by H's diagonal (the
+    inputs' mean square), then kept while GPTQ chooses the codes (`gptq_on_grid`)."""
+    if isinstance(scheme, GGUFType):
+        if scheme.is_float:
+            return quantize_gguf(weight, scheme)
+        return gptq_on_grid(weight, H, search_grid(weight.detach().float(), scheme, torch.diag(H)), config)
+    out_features, in_features = weight.shape
+    W, perm, Hinv = _prepared(weight, H, config)
     # Group parameters: static (from the unmodified weight, natural order) or on the fly.
     bounds = scheme.group_bounds(in_features)
     group_of = torch.empty(in_features, dtype=torch.long)
@@ -81,40 +126,38 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme: QuantScheme,
     zeros = torch.empty_like(scales)
     static = config.act_order or scheme.group_size is None
     if static:
+        unpermuted = torch.empty_like(W)
+        unpermuted[:, perm] = W
         for g, (lo, hi) in enumerate(bounds):
-            scales[:, g], zeros[:, g] = group_params(W[:, lo:hi], scheme)
+            scales[:, g], zeros[:, g] = group_params(unpermuted[:, lo:hi], scheme)
 
-    perm = torch.argsort(torch.diag(H), descending=True) if config.act_order else torch.arange(in_features)
-    W, H = W[:, perm], H[perm][:, perm]
-    H += config.damp * torch.mean(torch.diag(H)) * torch.eye(in_features, dtype=H.dtype)
-    try:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    except torch.linalg.LinAlgError:
-        raise PaperbackError("GPTQ: the Hessian is not positive definite; raise damp or add calibration data") from None
+    def round_column(col, w, remaining):
+        g = int(group_of[col])
+        if not static and col == bounds[g][0]:
+            # First column of a group: its parameters come from the already-updated weights.
+            lo, hi = bounds[g]
+            scales[:, g], zeros[:, g] = group_params(remaining()[:, : hi - lo], scheme)
+        q = quantize_codes(w[:, None], scales[:, g].double(), zeros[:, g].double(), scheme.max_code)[:, 0]
+        return q, (q - zeros[:, g].double()) * scales[:, g].double()
 
-    Q = torch.zeros_like(W)
-    for i1 in range(0, in_features, config.block_size):
-        i2 = min(i1 + config.block_size, in_features)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = int(perm[i1 + i])
-            g = int(group_of[col])
-            if not static and col == bounds[g][0]:
-                # First column of a group: its parameters come from the already-updated weights.
-                lo, hi = bounds[g]
-                current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, : hi - lo]
-                scales[:, g], zeros[:, g] = group_params(current, scheme)
-            w = W1[:, i]
-            q = quantize_codes(w[:, None], scales[:, g].double(), zeros[:, g].double(), scheme.max_code)[:, 0]
-            Q[:, i1 + i] = q
-            dq = (q - zeros[:, g].double()) * scales[:, g].double()
-            err = (w - dq) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-
-    codes = torch.empty_like(Q)
-    codes[:, perm] = Q
+    codes = _gptq_columns(W, perm, Hinv, config.block_size, round_column)
     return QuantizedWeight(codes.to(torch.uint8), scales, zeros, QuantScheme(**scheme.to_dict()), "gptq")
+
+
+def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig = GPTQConfig()):
+    """GPTQ onto a fixed grid: `grid` (a GGUFWeight whose scales are set, e.g. by gguf_search.search_grid from
+    the unmodified weight) keeps its scales; its codes are chosen column by column with GPTQ's error
+    feedback. Returns the grid with codes, method "gptq"."""
+    a, c = grid.grid()
+    sub, zero = grid.kind.sub_block, grid.kind.zero
+    W, perm, Hinv = _prepared(weight, H, config)
+
+    def round_column(col, w, remaining):
+        a_col = a[:, col // sub].double()
+        c_col = c[:, col // sub].double() if c is not None else None
+        q = nearest_codes(w, a_col, c_col, grid.kind)
+        return q, (a_col * (q - zero) if c_col is None else a_col * q - c_col)
+
+    grid.codes = _gptq_columns(W, perm, Hinv, config.block_size, round_column).to(torch.uint8)
+    grid.method = "gptq"
+    return grid

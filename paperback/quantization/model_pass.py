@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from paperback.errors import PaperbackError
 from paperback.models import DecoderLM
 from paperback.quantization.awq import AWQConfig, awq_block
+from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
 from paperback.quantization.head_bands import BandedWeight, HeadBands, quantize_banded
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
@@ -148,9 +149,19 @@ def _targets(layer: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
             for name in expanded(kind, layer)}
 
 
+def _gptq_linear(weight: torch.Tensor, H: torch.Tensor | None, scheme, config: QuantizeConfig):
+    """GPTQ from the input Hessian H; rounded to nearest where no input was seen (H None)."""
+    return gptq_quantize(weight, H, scheme, config.gptq) if H is not None else quantize_rtn(weight, scheme)
+
+
+def _rtn_linear(weight: torch.Tensor, H: torch.Tensor | None, scheme, config: QuantizeConfig):
+    """Rounded to nearest; a GGUF type's scales weigh each input by its mean square (H's diagonal) when known."""
+    return quantize_rtn(weight, scheme, torch.diag(H) if H is not None else None)
+
+
 def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torch.Tensor | None,
-                    results: dict[str, QuantizedWeight]) -> None:
-    """Embedding and head: GPTQ for the head when its input Hessian is known, RTN otherwise.
+                    results: dict[str, QuantizedWeight], quantize_linear=_gptq_linear) -> None:
+    """Embedding and head: `quantize_linear` for the head with its input Hessian when known, RTN otherwise.
 
     The embedding has no input activations to weigh its error by, so it is rounded.
     """
@@ -159,9 +170,7 @@ def _quantize_edges(model: DecoderLM, config: QuantizeConfig, head_hessian: torc
         return
 
     def quantize(weight: torch.Tensor, as_head: bool, scheme: QuantScheme) -> QuantizedWeight:
-        if as_head and head_hessian is not None:
-            return gptq_quantize(weight, head_hessian, scheme, config.gptq)
-        return quantize_rtn(weight, scheme)
+        return quantize_linear(weight, head_hessian if as_head else None, scheme, config)
 
     bands = config.head_bands
     if bands is not None and model.lm_head is not None:
@@ -214,7 +223,12 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
 
 
 def _rtn_pass(model: DecoderLM, config: QuantizeConfig, calibration, bar, results: dict[str, QuantizedWeight]):
-    """Round every targeted weight to nearest, block by block; no calibration."""
+    """Round every targeted weight to nearest, block by block. No calibration is needed; given one, GGUF
+    types weigh their scale search by each input's mean square, measured through the blocks already
+    quantized (what llama.cpp's importance matrix records)."""
+    if calibration is not None and any(isinstance(s, GGUFType) for s in (config.scheme, *config.layer_schemes.values())):
+        _calibrated_pass(model, config, calibration, bar, results, _rtn_linear)
+        return
     for idx, layer in enumerate(model.model.layers):
         for name, module in _targets(layer, config).items():
             q = quantize_rtn(module.weight, config.scheme_for(f"model.layers.{idx}.{name}.weight"))
@@ -227,6 +241,13 @@ def _rtn_pass(model: DecoderLM, config: QuantizeConfig, calibration, bar, result
 def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,
                results: dict[str, QuantizedWeight]) -> None:
     """GPTQ block by block on inputs through the blocks already quantized; the head too, from its Hessian."""
+    _calibrated_pass(model, config, calibration, bar, results, _gptq_linear)
+
+
+def _calibrated_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,
+                     results: dict[str, QuantizedWeight], quantize_linear) -> None:
+    """Each block's linears quantized by quantize_linear(weight, H, scheme, config) from the Hessian of their
+    inputs through the blocks already quantized; the head too, from its own."""
     layers = model.model.layers
     batches = list(calibration.split(config.calibration_batch_size))
     dtype = model.dtype
@@ -268,8 +289,7 @@ def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tens
                 module, accumulator = targets[name], accumulators[input_reader(name)]
                 scheme = config.scheme_for(f"model.layers.{idx}.{name}.weight")
                 # An expert no calibration token was routed to has no Hessian: rounded to nearest instead.
-                q = (gptq_quantize(module.weight, accumulator.H, scheme, config.gptq) if accumulator.rows
-                     else quantize_rtn(module.weight, scheme))
+                q = quantize_linear(module.weight, accumulator.H if accumulator.rows else None, scheme, config)
                 _set_weight(module, q)
                 results[f"model.layers.{idx}.{name}.weight"] = q
         with _autocast(device, low):  # inputs of the next block, post-quantization
@@ -281,7 +301,7 @@ def _gptq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tens
         for x in hidden:
             acc.add_batch(model.model.norm(x))
         head_hessian = acc.H
-    _quantize_edges(model, config, head_hessian, results)
+    _quantize_edges(model, config, head_hessian, results, quantize_linear)
 
 
 def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tensor, bar,

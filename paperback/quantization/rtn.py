@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.quantization.gguf_search import quantize_gguf
+from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.scheme import QuantScheme
 
 
@@ -69,8 +71,12 @@ def check_weight(weight: torch.Tensor, name: str = "weight") -> None:
         raise PaperbackError(f"{name} holds NaN or infinite values; refusing to quantize it")
 
 
-def quantize_rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """Round every group of `weight` (out, in) to the nearest code."""
+def quantize_rtn(weight: torch.Tensor, scheme, importance: torch.Tensor | None = None):
+    """Round every group of `weight` (out, in) to the nearest code. `scheme`: a QuantScheme (scale from each
+    group's range; `importance` unused), or a GGUF type (gguf_types.GGUFType: its stored scales searched, each
+    input column's error weighted by `importance` (in,), e.g. the mean squared activation)."""
+    if isinstance(scheme, GGUFType):
+        return quantize_gguf(weight, scheme, importance)
     check_weight(weight)
     out_features, in_features = weight.shape
     groups = scheme.num_groups(in_features)
