@@ -34,8 +34,9 @@ def _unnibble(b: np.ndarray) -> np.ndarray:
 
 
 def _bits_of(q: np.ndarray, shift: int, width: int, count: int) -> np.ndarray:
-    """(B, n) codes -> (B, n // count) bytes: element i*span + l (span = n // count... ) in bits
-    shift*k of byte l, k = i for i in range(count)."""
+    """(B, n) codes -> (B, n / count) bytes: bits [shift, shift + width) of element k * span + l (span =
+    n / count) go to bits [width * k, width * (k + 1)) of byte l: ggml's runs of `span` elements, one per
+    bit plane."""
     span = q.shape[1] // count
     out = np.zeros((q.shape[0], span), dtype=np.uint8)
     for k in range(count):
