@@ -27,11 +27,13 @@ TEXTS = {"wikitext2": "wikitext2_test.txt", "ptb": "ptb_test.txt"}
 WORK = Path.home() / ".cache" / "paperback" / "gguf-bench"
 
 
-def paperback_file(lm_loader, model: str, recipe: str, method: str, calibration, out: Path) -> None:
+def paperback_file(model: str, recipe: str, method: str, calibration, out: Path) -> None:
+    """paperback's file at `recipe`'s types, from a fresh load (quantizing changes the model in place)."""
     from paperback.export.gguf_quantize import gguf_types_for, quantize_to_gguf
+    from paperback.loading import load_model
     from paperback.quantization.gguf_recipes import recipe as named
 
-    lm = lm_loader()
+    lm = load_model(model, "fp32")
     quantize_to_gguf(lm, gguf_types_for(lm.config, named(recipe)), out, method, calibration, overwrite=True,
                      progress=False, metadata={"gguf": recipe})
 
@@ -64,8 +66,9 @@ def run() -> int:
         lm = load_model(model, "fp32")
         reference = work / "reference-f32.gguf"
         if args.recompute or not reference.exists():
-            quantize_to_gguf(load_model(model, "fp32"), uniform_types(lm.config, GGUF_TYPES["F32"]), reference,
-                             overwrite=True, progress=False)
+            # F32 is a cast: `lm` keeps its weights, so it serves the calibration below too
+            quantize_to_gguf(lm, uniform_types(lm.config, GGUF_TYPES["F32"]), reference, overwrite=True,
+                             progress=False)
         calib_config = CalibrationConfig("pydoc", args.calib_samples, 512)
         calibration = calibration_batch(lm.tokenizer, calib_config, lm.model)
         calib_text = work / f"calibration-{args.calib_samples}.txt"
@@ -87,7 +90,7 @@ def run() -> int:
                 out = work / f"paperback-{recipe}-{method}-{args.calib_samples}.gguf"
                 if args.recompute or not out.exists():
                     print(f"{model}: paperback {method} onto {recipe}'s types", flush=True)
-                    paperback_file(lambda: load_model(model, "fp32"), model, recipe, method, calibration, out)
+                    paperback_file(model, recipe, method, calibration, out)
                 files[(recipe, f"paperback {method}")] = out
         for text in args.texts:
             base = work / f"base-{text}-{args.chunks}.kld"

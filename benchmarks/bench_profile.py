@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,19 +27,9 @@ from paperback.allocate.profile import ProfileConfig, Profiler  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation.datasets import load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import cpu_model as cpu_name, warn_if_busy, write_results  # noqa: E402
 
 TARGET_MINUTES = {"smollm2": 15, "gemma3": 40}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

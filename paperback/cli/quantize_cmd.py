@@ -108,11 +108,11 @@ def _run_gguf(args: argparse.Namespace, parser_defaults: dict) -> int:
         raise PaperbackError(f"{args.output} exists; pass --overwrite to replace it")
     lm = load_model(args.model, "fp32")
     types = _gguf_types(lm, args.gguf)  # refused before any work where the model cannot take them
-    calibration = calibration_batch(lm.tokenizer, calibration_config(args, args.calib_samples), lm.model)
+    calib_cfg = calibration_config(args, args.calib_samples)
+    calibration = calibration_batch(lm.tokenizer, calib_cfg, lm.model)
     summary = quantize_to_gguf(lm, types, args.output, args.method, calibration, args.overwrite,
-                               progress=not args.json, metadata={"gguf": args.gguf.upper(),
-                                                                 "calibration": calibration_config(
-                                                                     args, args.calib_samples).to_dict()})
+                               progress=not args.json,
+                               metadata={"gguf": args.gguf.upper(), "calibration": calib_cfg.to_dict()})
     summary["types"] = dict(Counter(t.name for t in types.values()))
     if args.json:
         print_json(summary)

@@ -38,9 +38,8 @@ def weight_shapes(config) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def tensor_role(param: str, config) -> TensorRole:
-    """What llama.cpp's recipe rules read of `param`."""
-    in_features = weight_shapes(config)[param][1]
+def tensor_role(param: str, config, in_features: int) -> TensorRole:
+    """What llama.cpp's recipe rules read of `param` (rows of `in_features` weights)."""
     gqa = config.num_heads // config.num_kv_heads
     if param == HEAD_PARAM or (param == EMBED_PARAM and config.tie_word_embeddings):
         return TensorRole("output", None, config.num_layers, in_features, gqa)
@@ -53,7 +52,8 @@ def tensor_role(param: str, config) -> TensorRole:
 def gguf_types_for(config, recipe: Recipe, imatrix: bool = False) -> dict[str, GGUFType]:
     """{param: the type llama-quantize gives it under `recipe`}."""
     config.require_dense("a GGUF recipe")
-    return {param: recipe.type_for(tensor_role(param, config), imatrix) for param in weight_shapes(config)}
+    return {param: recipe.type_for(tensor_role(param, config, shape[1]), imatrix)
+            for param, shape in weight_shapes(config).items()}
 
 
 def uniform_types(config, kind: GGUFType) -> dict[str, GGUFType]:
