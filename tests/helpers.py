@@ -127,16 +127,23 @@ def _finish_gguf(writer, path: Path) -> Path:
 
 
 def write_llama_gguf(hf_model, path: Path, matrix_type: str = "F32", arch: str = "llama",
-                     shape_override: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+                     shape_override: dict | None = None, drop: tuple[str, ...] = (),
+                     tokenizer_from: Path | None = None) -> Path:
     """Write a transformers Llama model as a GGUF file in llama.cpp's layout.
 
     matrix_type: GGML type of the 2-D weights (F32, F16, Q8_0, ...); norms stay F32.
     shape_override maps a GGUF tensor name to an array to store instead (bad-shape tests).
+    tokenizer_from: a GGUF file whose tokenizer (and chat template) the file takes, vocabulary size included.
     """
     import gguf
 
     cfg = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokenizer_from is not None:
+        for key, field in gguf.GGUFReader(tokenizer_from).fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)

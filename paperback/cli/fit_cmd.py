@@ -1,4 +1,5 @@
-"""`paperback fit [MODEL] --memory 1GiB --context 8192 --users 8 [--text FILE] -o DIR`."""
+"""`paperback fit [MODEL] --memory 1GiB --context 8192 --users 8 [--text FILE] -o DIR`, or
+`paperback fit [MODEL] --format gguf --size-of Q4_K_M -o FILE.gguf` (a file size with llama.cpp's types)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
 from paperback.allocate.retrieval import RETRIEVAL_KL
 from paperback.cli.profile_cmd import add_measure_args
+from paperback.quantization.gguf_types import QUANTIZED_TYPES
 from paperback.quantization.model_pass import METHODS
+
+FORMATS = ("checkpoint", "gguf")
+# Options of one format's fit that the other refuses by name (argparse dest names)
+CHECKPOINT_ONLY = ("memory", "context", "users", "weight_schemes", "kv_formats", "profile", "weight_tokens",
+                   "additivity_samples", "measure", "weight_anchor", "check_samples", "needle_depths", "no_needles",
+                   "evict", "retrieval_kl", "candidates", "even_margin", "no_head_bands", "breakdown_kl", "report")
+GGUF_ONLY = ("size", "size_of", "types")
 
 
 def register(sub) -> None:
@@ -26,16 +35,31 @@ def register(sub) -> None:
                                    "budget (an exact solve; the best solutions by output-head scheme are then "
                                    "measured whole), quantize into one checkpoint that carries its KV policy (so "
                                    "`serve DIR` and `eval DIR` use it with no flags), and evaluate it on the "
-                                   "held-out part of the text against the full model: perplexity, KL, needles.")
+                                   "held-out part of the text against the full model: perplexity, KL, needles. "
+                                   "With --format gguf: fit the weights to a file size for llama.cpp instead, each "
+                                   "tensor taking the GGUF type (Q4_K, Q5_0, ...) the exact solve over its "
+                                   "measured KL chooses, written as one .gguf file.")
     add_model_arg(p)
-    p.add_argument("-o", "--output", type=Path, required=True, help="checkpoint directory to write")
-    p.add_argument("--memory", required=True, help="memory budget, like 1GiB or 800MB")
-    p.add_argument("--context", type=int, required=True, help="tokens per sequence the budget must hold")
-    p.add_argument("--users", type=int, default=1, help="sequences held at once (default 1)")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="checkpoint directory to write (--format gguf: the .gguf file)")
+    p.add_argument("--format", choices=FORMATS, default="checkpoint",
+                   help="checkpoint (default): paperback's checkpoint with its KV policy, fitted to a memory "
+                        "budget and workload; gguf: one GGUF file for llama.cpp, fitted to --size or --size-of")
+    p.add_argument("--memory", help="memory budget, like 1GiB or 800MB (checkpoint)")
+    p.add_argument("--context", type=int, help="tokens per sequence the budget must hold (checkpoint)")
+    p.add_argument("--users", type=int, default=1, help="sequences held at once (checkpoint; default 1)")
+    p.add_argument("--size", default=None, help="gguf: the file size, like 100MB or 1.5GiB")
+    p.add_argument("--size-of", default=None, metavar="RECIPE",
+                   help="gguf: the size of the file llama-quantize writes for this recipe (Q3_K_M, Q4_K_M, "
+                        "Q5_K_M, Q4_0, ...)")
+    p.add_argument("--types", default=",".join(QUANTIZED_TYPES),
+                   help="gguf: the types a tensor may take, each where it tiles the rows (default: "
+                        f"{','.join(QUANTIZED_TYPES)})")
     p.add_argument("--text", default="pydoc",
                    help="your text (file or data set name): its first half is profiled and calibrated on, the "
                         "rest is held out for evaluation (default: the Python documentation)")
-    p.add_argument("--method", choices=METHODS, default="awq", help="weight method (default awq)")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="weight method (default awq; rtn with --format gguf, which takes rtn or gptq)")
     p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES), help="candidate weight schemes")
     p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS), help="candidate KV formats")
     p.add_argument("--profile", type=Path, default=None,
@@ -44,8 +68,11 @@ def register(sub) -> None:
     p.add_argument("--weight-tokens", type=int, default=256, help="tokens weight units are profiled on")
     p.add_argument("--additivity-samples", type=int, default=24, help="mixed assignments checked (default 24)")
     add_measure_args(p)
-    p.add_argument("--calib-samples", type=int, default=16, help="calibration windows of the final quantization")
-    p.add_argument("--eval-context", type=int, default=1024, help="held-out evaluation window (default 1024)")
+    p.add_argument("--calib-samples", type=int, default=None,
+                   help="calibration windows of the final quantization (default 16; 64 with --format gguf, "
+                        "whose every tensor is quantized from them)")
+    p.add_argument("--eval-context", type=int, default=None,
+                   help="held-out evaluation window (default 1024; 512 with --format gguf)")
     p.add_argument("--eval-windows", type=int, default=4, help="held-out evaluation windows (default 4)")
     p.add_argument("--needle-depths", default="0.25,0.5,0.75",
                    help="depths of the needles retrieved at the target context, comma-separated (default "
@@ -71,10 +98,11 @@ def register(sub) -> None:
     p.add_argument("--breakdown-kl", type=float, default=0.5,
                    help="predicted KL (nats/token) that counts as broken down, for the report's margin (default 0.5)")
     p.add_argument("--report", type=Path, default=None, help="HTML report path (default OUTPUT/report.html)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="profile cache (default ~/.cache/paperback/profiles)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="profile cache (default ~/.cache/paperback/profiles; gguf prices: .../gguf-prices)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     add_json_arg(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, option_defaults={k: p.get_default(k) for k in CHECKPOINT_ONLY + GGUF_ONLY})
 
 
 
@@ -117,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
     from paperback.evaluation.datasets import load_text
     from paperback.loading import load_model
 
+    _refuse_other_format(args)
+    if args.format == "gguf":
+        return _run_gguf(args)
+    if args.memory is None or args.context is None:
+        raise PaperbackError("fit needs --memory and --context (or --format gguf with --size or --size-of)")
+    args.method = args.method or "awq"
+    args.calib_samples = args.calib_samples or 16
+    args.eval_context = args.eval_context or 1024
     if not 0 <= args.even_margin < 1:
         raise PaperbackError(f"bad --even-margin {args.even_margin} (a fraction in [0, 1))")
     workload = Workload(parse_bytes(args.memory), args.context, args.users)
@@ -150,6 +186,60 @@ def run(args: argparse.Namespace) -> int:
     note(f"checkpoint with its KV policy in {args.output}: `paperback serve {args.output}` or "
          f"`paperback eval {args.output}` use both; report in {report}")
     return 0
+
+
+def _refuse_other_format(args: argparse.Namespace) -> None:
+    """An option of the other format's fit, given, is refused by name (never silently ignored)."""
+    from paperback.errors import PaperbackError
+
+    other = CHECKPOINT_ONLY if args.format == "gguf" else GGUF_ONLY
+    changed = [k for k in other if getattr(args, k) != args.option_defaults[k]]
+    if changed:
+        flag = "--" + changed[0].replace("_", "-")
+        raise PaperbackError(f"{flag} is an option of `fit --format {'checkpoint' if args.format == 'gguf' else 'gguf'}`"
+                             f", not of --format {args.format}")
+
+
+def _run_gguf(args: argparse.Namespace) -> int:
+    from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
+    from paperback.cli.serve_cmd import parse_bytes
+
+    config = GGUFFitConfig(method=args.method or "rtn", types=split_list(args.types), text=args.text,
+                           calib_samples=args.calib_samples or 64, window_tokens=args.window_tokens,
+                           probe_tokens=min(GGUFFitConfig.probe_tokens, args.window_tokens),
+                           eval_windows=args.eval_windows, eval_context=args.eval_context or 512)
+    fit = GGUFFit(args.model, config, args.output, parse_bytes(args.size) if args.size else None, args.size_of,
+                  args.overwrite, args.cache_dir, progress=not args.json)
+    result = fit.run()
+    if args.json:
+        print_json(result)
+        return 0
+    _print_gguf(result)
+    note(f"run it with llama.cpp: llama-cli -m {args.output}   (or llama-server -m {args.output})")
+    return 0
+
+
+def _print_gguf(result: dict) -> None:
+    budget = result["budget"]
+    size = budget["size_of"] or f"{budget['file_bytes']:,} bytes"
+    print_table(f"{result['model']} fitted to {size} for llama.cpp", ["field", "value"],
+                [["file", f"{result['output']} ({result['bytes']:,} bytes)"],
+                 ["weights", f"{result['tensor_bytes']:,} bytes, {result['bits_per_weight']:.2f} bits a weight"],
+                 ["types", ", ".join(f"{k} x{v}" for k, v in result["types"].items())],
+                 ["written", "the solution" if result["written"] == "fit" else
+                  f"{result['written']} (it measured lower than the solution)"],
+                 ["predicted KL of the solution", f"{result['predicted_kl']:.4f}"]])
+    q = result["quality"]
+    names = [n for n in q if n != "held_out_tokens"]
+    first = q[names[0]]
+    print_table(f"held-out text ({first['tokens_scored']} tokens at context {first['context']}) against the full model",
+                ["", *names], [["KL (nats/token)", *(f"{q[n]['kl_divergence']:.4f}" for n in names)],
+                               ["perplexity", *(f"{q[n]['perplexity']:.3f}" for n in names)],
+                               ["top-1 agreement", *(f"{q[n]['top1_agreement']:.3f}" for n in names)],
+                               ["KL on the check windows", *(f"{result['measured_kl'][n]:.4f}" for n in names)]])
+    roles = [k for k in result["layers"][0] if k != "layer"]
+    print_table("types per block" + "".join(f"; {k}: {v}" for k, v in result["edges"].items()),
+                ["layer", *roles], [[row["layer"], *(row.get(r, "") for r in roles)] for row in result["layers"]])
 
 
 def _mib(n: float) -> str:

@@ -86,7 +86,6 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
     """Quantize `lm` (a LoadedModel from a GGUF file, fp32) in place to `types` and write the GGUF file `out`.
     `calibration`: (N, L) token ids (GPTQ needs them; RTN weighs its scale search by them when given).
     `metadata`: what to record under `paperback.recipe` in the file (JSON)."""
-    from paperback.export.gguf_export import write_gguf
     from paperback.quantization.model_pass import quantize_model
 
     out = Path(out)
@@ -101,15 +100,23 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
     first = next(iter(types.values()))
     config = QuantizeConfig(method, first, targets=targets, layer_schemes=dict(types))
     results = quantize_model(lm.model, config, calibration, progress=progress)
+    record = {"method": method, "types": {p: t.name for p, t in types.items()}, **(metadata or {})}
+    return write_weights(lm, results, out, record, progress)
+
+
+def write_weights(lm, weights: dict, out: Path, record: dict, progress: bool = True) -> dict:
+    """Write `lm` as the GGUF file `out` with `weights` ({param: GGUFWeight}) in place of its own (every other
+    tensor at F32), the metadata of the GGUF file it came from, and `record` under `paperback.recipe`."""
+    from paperback.export.gguf_export import write_gguf
+
     tensors = []
     seen = set()
     for name, param in lm.model.named_parameters():
         if param.data_ptr() in seen:
             continue
         seen.add(param.data_ptr())
-        tensors.append((name, results.get(name, param.detach().float())))
-    record = {"method": method, "types": {p: t.name for p, t in types.items()}, **(metadata or {})}
-    summary = write_gguf(source, lm.config, tensors, out, progress,
+        tensors.append((name, weights.get(name, param.detach().float())))
+    summary = write_gguf(Path(lm.source.path), lm.config, tensors, out, progress,
                          extra={"paperback.recipe": json.dumps(record, sort_keys=True)})
-    summary["tensor_bytes"] = tensor_bytes(lm.config, types)
+    summary["tensor_bytes"] = sum(w.storage_bytes() for w in weights.values())
     return summary

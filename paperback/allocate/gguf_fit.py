@@ -1,0 +1,270 @@
+"""`fit --format gguf`: a model fitted to a file size with llama.cpp's tensor types, written as one GGUF file.
+
+Each weight may take any GGUF type that tiles its rows. Every (tensor, type) cell is quantized from the
+full model's inputs on the calibration windows (allocate.gguf_cells) and priced as the KL it adds alone
+(allocate.gguf_prices, cached per model, text and settings, so fitting another size is a solve and a
+write); the exact solve (allocate.solver) then picks one type per tensor within the budget. The solution
+and the llama.cpp recipe of the nearest size below the budget, quantized by the same method, are measured
+whole on windows the prices never read; the lower KL is written (the report says which). The file is
+evaluated where it is read back, on the part of the text after the profiled span.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from paperback.allocate.gguf_budget import GGUFBudget, candidate_types, gguf_budget, tensor_candidates
+from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
+from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, price_cells
+from paperback.allocate.probe import ReferenceProbe, swapped_weights
+from paperback.allocate.solver import Group, Option, solve
+from paperback.errors import DatasetError, PaperbackError
+from paperback.export.gguf_quantize import ROLES, gguf_types_for, tensor_bytes, weight_shapes
+from paperback.quantization.calibration import CalibrationConfig, calibration_batch
+from paperback.quantization.gguf_recipes import RECIPES, recipe
+from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES, GGUFType
+from paperback.quantization.gptq import GPTQConfig
+from paperback.quantization.model_pass import HEAD_PARAM
+
+PRICES_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GGUFFitConfig:
+    method: str = "rtn"
+    types: tuple[str, ...] = QUANTIZED_TYPES  # candidate GGUF types, each tensor taking those that tile it
+    text: str = "pydoc"  # calibrated and priced on its leading `span`; the rest is held out for evaluation
+    calib_samples: int = 64  # windows whose inputs every cell is quantized from (llama-imatrix's text too)
+    window_tokens: int = 512
+    probe_windows: int = 4  # windows each anchor's KL is measured on ...
+    probe_tokens: int = 256  # ... their first tokens
+    check_windows: int = 4  # windows the solution and the recipe are measured whole on
+    span: float = 0.5
+    seed: int = 0
+    anchor_bits: float = ANCHOR_BITS
+    check_samples: int = 12  # estimated cells measured as well
+    eval_windows: int = 4
+    eval_context: int = 512
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+
+    def __post_init__(self):
+        if self.method not in CELL_METHODS:
+            raise PaperbackError(f"a GGUF fit quantizes by {' or '.join(CELL_METHODS)}; AWQ onto GGUF's types is "
+                                 f"not built yet (got '{self.method}')")
+        candidate_types(self.types)
+        for name in ("calib_samples", "window_tokens", "probe_windows", "probe_tokens", "check_windows",
+                     "eval_windows", "eval_context"):
+            if getattr(self, name) < 1:
+                raise PaperbackError(f"{name.replace('_', ' ')} must be at least 1")
+        if self.probe_tokens > self.window_tokens:
+            raise PaperbackError("probe tokens must be at most the window")
+
+    def calibration(self) -> CalibrationConfig:
+        return CalibrationConfig(self.text, self.calib_samples, self.window_tokens, self.seed, span=self.span)
+
+    def probe(self) -> CalibrationConfig:
+        return CalibrationConfig(self.text, self.probe_windows, self.probe_tokens, self.seed + 1, span=self.span)
+
+    def check(self) -> CalibrationConfig:
+        return CalibrationConfig(self.text, self.check_windows, self.window_tokens, self.seed + 2, span=self.span)
+
+    def price_settings(self) -> dict:
+        """What the prices depend on (the cache key): not the check, the evaluation or the budget."""
+        return {"version": PRICES_VERSION, "method": self.method, "types": list(self.types),
+                "calibration": self.calibration().to_dict(), "probe": self.probe().to_dict(),
+                "anchor_bits": self.anchor_bits, "check_samples": self.check_samples,
+                "gptq": asdict(self.gptq) if self.method == "gptq" else None}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def source_gguf(spec: str | None) -> Path:
+    """The GGUF file a model comes from: the file a fit copies its metadata from."""
+    from paperback.loading.sources import resolve_model
+
+    source = resolve_model(spec)
+    if source.kind != "gguf":
+        raise PaperbackError(f"{source.label} is not a GGUF file; a GGUF fit copies the tokenizer and chat template "
+                             "of the GGUF file a model came from (a Hugging Face source is not built yet)")
+    return Path(source.path)
+
+
+def baseline_recipe(config, budget: GGUFBudget) -> str | None:
+    """The named llama.cpp recipe the fit is measured against: --size-of's, else the largest within budget."""
+    if budget.size_of:
+        return budget.size_of
+    sizes = {name: tensor_bytes(config, gguf_types_for(config, r)) for name, r in RECIPES.items()}
+    within = [name for name, size in sizes.items() if size <= budget.tensor_bytes]
+    return max(within, key=sizes.get, default=None)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAPERBACK_CACHE", Path.home() / ".cache" / "paperback")) / "gguf-prices"
+
+
+class GGUFFit:
+    """One GGUF fit. Everything a user can get wrong is checked in the constructor, before the weights load."""
+
+    def __init__(self, spec: str | None, config: GGUFFitConfig, out: Path, size: int | None = None,
+                 size_of: str | None = None, overwrite: bool = False, cache_dir: Path | None = None,
+                 progress: bool = True):
+        from paperback.evaluation.datasets import load_text
+        from paperback.loading.gguf_file import GGUFModelFile
+
+        self.spec, self.config, self.out, self.progress = spec, config, Path(out), progress
+        if self.out.suffix != ".gguf":
+            raise PaperbackError(f"a GGUF fit writes one file: give -o a name ending in .gguf, not {self.out}")
+        if self.out.exists() and not overwrite:
+            raise PaperbackError(f"{self.out} exists; pass --overwrite to replace it")
+        self.source = source_gguf(spec)
+        source_file = GGUFModelFile(self.source)  # metadata only: no tensor is read
+        self.model_config = source_file.config()
+        self.candidates = tensor_candidates(self.model_config, candidate_types(config.types))
+        self.budget = gguf_budget(source_file, self.candidates, size, size_of)
+        self.text = load_text(config.text)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.seconds: dict[str, float] = {}
+
+    def _stage(self, message: str) -> None:
+        if self.progress:
+            print(f"[fit gguf] {message}", flush=True)
+
+    def run(self) -> dict:
+        from paperback.allocate.profile import model_fingerprint, text_fingerprint
+        from paperback.loading import load_model
+
+        cfg = self.config
+        lm = load_model(self.spec, "fp32")
+        model = lm.model
+        tokens = lm.tokenizer.encode(self.text, add_special_tokens=False)
+        held_out = tokens[int(len(tokens) * cfg.span):]
+        if len(held_out) < cfg.eval_context:
+            raise DatasetError(f"the held-out part of '{cfg.text}' (after the first {cfg.span:.0%}) has "
+                               f"{len(held_out)} tokens, fewer than one evaluation window of {cfg.eval_context}")
+        t0 = time.perf_counter()
+        self._stage(f"input statistics on {cfg.calib_samples} windows of {cfg.window_tokens} tokens of {cfg.text}")
+        cells = GGUFCells(model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq)
+        self.seconds["statistics"] = time.perf_counter() - t0
+        key = hashlib.sha256(json.dumps({"model": model_fingerprint(model), "text": text_fingerprint(self.text),
+                                         **cfg.price_settings()}, sort_keys=True).encode()).hexdigest()[:24]
+        cached = self.cache_dir / f"{key}.json"
+        t0 = time.perf_counter()
+        if cached.is_file():
+            self._stage(f"prices from {cached}")
+            prices = json.loads(cached.read_text())
+        else:
+            count = sum(len(k) for k in self.candidates.values())
+            self._stage(f"pricing {count} cells ({len(self.candidates)} tensors x their legal types) by {cfg.method}")
+            probe = ReferenceProbe(model, calibration_batch(lm.tokenizer, cfg.probe()))
+            prices = price_cells(cells, probe, self.candidates, cfg.anchor_bits, cfg.check_samples, cfg.seed,
+                                 self.progress)
+            del probe
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(prices))
+            os.replace(tmp, cached)
+        self.seconds["price"] = time.perf_counter() - t0
+        types, predicted = self._solve(prices)
+        t0 = time.perf_counter()
+        baseline = baseline_recipe(self.model_config, self.budget)
+        contenders = {"fit": types}
+        if baseline is not None:
+            contenders[baseline] = gguf_types_for(self.model_config, recipe(baseline))
+        self._stage(f"measuring the solution{f' and {baseline}' if baseline else ''} whole on "
+                    f"{cfg.check_windows} other windows")
+        check = ReferenceProbe(model, calibration_batch(lm.tokenizer, cfg.check()))
+        measured = {}
+        for name, assignment in contenders.items():
+            with swapped_weights(model, cells.weights(assignment)):
+                measured[name] = check.kl_full()
+        del check
+        written = min(measured, key=lambda name: (measured[name], name != "fit"))
+        self.seconds["check"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        chosen = contenders[written]
+        self._stage(f"writing {self.out} ({'the solution' if written == 'fit' else f'{written}: it measured lower'})")
+        record = {"method": cfg.method, "types": {p: t.name for p, t in chosen.items()},
+                  "fit": {"budget": self.budget.to_dict(), "written": written, "predicted_kl": predicted,
+                          "measured_kl": measured, "calibration": cfg.calibration().to_dict()}}
+        from paperback.export.gguf_quantize import write_weights
+
+        summary = write_weights(lm, {p: cells.quantized(p, t) for p, t in chosen.items()}, self.out, record,
+                                self.progress)
+        if self.budget.file_bytes is not None and summary["bytes"] > self.budget.file_bytes:
+            raise PaperbackError(f"the written file has {summary['bytes']:,} bytes, over the {self.budget.file_bytes:,} "
+                                 "asked for: the estimate of its metadata was short (a bug: please report it)")
+        self.seconds["write"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        quality = self._evaluate(lm, held_out, cells, contenders, written)
+        self.seconds["evaluate"] = time.perf_counter() - t0
+        layers, edges = self._layer_table(chosen)
+        return {"output": str(self.out), "model": lm.source.label, "source": str(self.source),
+                "budget": self.budget.to_dict(), "bytes": summary["bytes"], "tensor_bytes": summary["tensor_bytes"],
+                "bits_per_weight": 8 * summary["tensor_bytes"] / sum(o * i for o, i in
+                                                                     weight_shapes(self.model_config).values()),
+                "written": written, "baseline": baseline, "predicted_kl": predicted, "measured_kl": measured,
+                "types": dict(Counter(t.name for t in chosen.values())),
+                "tensors": {p: t.name for p, t in chosen.items()}, "layers": layers, "edges": edges,
+                "estimate_check": {k: v for k, v in prices["check"].items() if k != "points"},
+                "quality": quality, "prices": str(cached), "seconds": self.seconds, "config": cfg.to_dict()}
+
+    def _solve(self, prices: dict) -> tuple[dict[str, GGUFType], float]:
+        shapes = weight_shapes(self.model_config)
+        table = costs(prices)
+        groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name])
+                                     for k in kinds)) for param, kinds in self.candidates.items()]
+        chosen = solve(groups, self.budget.tensor_bytes)
+        self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {self.budget.label}")
+        return {p: GGUF_TYPES[o.label] for p, o in chosen.items()}, sum(o.cost for o in chosen.values())
+
+    def _evaluate(self, lm, held_out: list[int], cells: GGUFCells, contenders: dict, written: str) -> dict:
+        """The written file read back, and the other contender, against the full model on held-out text."""
+        from paperback.evaluation.perplexity import evaluate
+        from paperback.loading import load_model
+
+        cfg = self.config
+        bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
+        self._stage(f"evaluating on {cfg.eval_windows} held-out windows of {cfg.eval_context}")
+        fitted = load_model(str(self.out), "fp32", with_tokenizer=False)  # exactly what was written
+        reference_cache: dict = {}
+
+        def score(model) -> dict:
+            return evaluate(model, held_out, cfg.eval_context, reference=lm.model, max_windows=cfg.eval_windows,
+                            dataset="held-out", progress=self.progress, bos_token_id=bos,
+                            reference_cache=reference_cache).to_dict()
+
+        quality = {"held_out_tokens": len(held_out), written: score(fitted.model)}
+        del fitted
+        for name, assignment in contenders.items():
+            if name != written:
+                other = copy.deepcopy(lm.model)
+                params = dict(other.named_parameters())
+                with torch.no_grad():
+                    for param, weight in cells.weights(assignment).items():
+                        params[param].copy_(weight)
+                quality[name] = score(other)
+        return quality
+
+    def _layer_table(self, types: dict[str, GGUFType]) -> tuple[list[dict], dict[str, str]]:
+        """({llama.cpp's tensor role: type} per block, {token_embd / output: type}); a tied embedding is
+        llama.cpp's token_embd, read as the output head too."""
+        rows: dict[int, dict] = {}
+        edges = {}
+        for param, kind in types.items():
+            layer = layer_of(param)
+            if layer is None:
+                edges["output" if param == HEAD_PARAM else "token_embd"] = kind.name
+            else:
+                linear = param.removesuffix(".weight").split(".", 3)[3]
+                rows.setdefault(layer, {"layer": layer})[ROLES[linear]] = kind.name
+        return [rows[i] for i in sorted(rows)], edges

@@ -1,0 +1,210 @@
+"""`fit --format gguf`: a model fitted to a file size with llama.cpp's types. Budgets and bad requests are
+refused from the config before any weight loads; the written file stays within the size, holds at every
+tensor the type the solve chose, bit for bit the cell that was priced, and beats (or is) the recipe it was
+measured against; prices are cached, so another size is a solve and a write."""
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_llama_hf, write_llama_gguf
+from paperback.allocate.gguf_budget import candidate_types, gguf_budget, tensor_candidates
+from paperback.allocate.gguf_cells import GGUFCells
+from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig, baseline_recipe
+from paperback.allocate.gguf_prices import anchor_type, kl_with, price_cells
+from paperback.allocate.probe import ReferenceProbe
+from paperback.cli import main
+from paperback.errors import PaperbackError
+from paperback.export.gguf_quantize import gguf_types_for, tensor_bytes
+from paperback.loading import load_model
+from paperback.loading.gguf_file import GGUFModelFile, unpermute_rope_rows
+from paperback.loading.sources import bundled_model_path
+from paperback.quantization.calibration import calibration_batch
+from paperback.quantization.gguf_recipes import recipe
+from paperback.quantization.gguf_types import GGUF_TYPES
+
+SMALL = {"calib_samples": 4, "window_tokens": 128, "probe_windows": 2, "probe_tokens": 64, "check_windows": 2,
+         "eval_windows": 2, "eval_context": 128, "check_samples": 4}
+
+
+@pytest.fixture(scope="module")
+def tok_gguf(tmp_path_factory):
+    """A tiny tied Llama with SmolLM2's tokenizer: rows of 64 (legacy types only) and an MLP of 256 (whose
+    down projection k-quants tile)."""
+    hf = tiny_llama_hf(num_hidden_layers=2, vocab_size=49152, hidden_size=64, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=1024)
+    with torch.no_grad():  # random weights sharp enough that a quantized tensor moves the output clearly
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.mul_(50 if "embed" in name else 5)
+    return write_llama_gguf(hf, tmp_path_factory.mktemp("tok") / "tok.gguf", tokenizer_from=bundled_model_path("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def fitted(tok_gguf, tmp_path_factory):
+    """One fit at 4 MB and its result."""
+    work = tmp_path_factory.mktemp("fit")
+    fit = GGUFFit(str(tok_gguf), GGUFFitConfig(**SMALL), work / "fit.gguf", size=4_000_000,
+                  cache_dir=work / "cache", progress=False)
+    return fit, fit.run()
+
+
+def test_the_file_stays_within_the_size_and_holds_the_chosen_types(fitted):
+    fit, result = fitted
+    assert result["bytes"] == os.path.getsize(result["output"]) <= 4_000_000
+    reader = gguf.GGUFReader(result["output"])
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["token_embd.weight"] == result["tensors"]["model.embed_tokens.weight"]
+    assert types["blk.1.ffn_down.weight"] == result["tensors"]["model.layers.1.mlp.down_proj.weight"]
+    assert result["written"] == "fit"
+    record = json.loads(reader.fields["paperback.recipe"].contents())
+    assert record["types"] == result["tensors"] and record["fit"]["written"] == "fit"
+    # each tensor took a type that tiles it: rows of 64 only legacy types, the down projection any
+    assert all(not GGUF_TYPES[t].is_kquant for p, t in result["tensors"].items() if "down_proj" not in p)
+    assert result["tensor_bytes"] <= fit.budget.tensor_bytes
+
+
+def test_the_written_weights_are_the_priced_cells(fitted, tok_gguf):
+    fit, result = fitted
+    lm = load_model(str(tok_gguf), "fp32")
+    cells = GGUFCells(lm.model, calibration_batch(lm.tokenizer, fit.config.calibration()), "rtn")
+    stored = {t.name: t for t in gguf.GGUFReader(result["output"]).tensors}
+    for param, name in (("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
+                        ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
+                        ("model.embed_tokens.weight", "token_embd.weight")):
+        tensor = stored[name]
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if "attn_q" in name:
+            values = unpermute_rope_rows(values, lm.config.num_heads)
+        cell = cells.quantize(param, GGUF_TYPES[result["tensors"][param]]).dequantize()
+        assert np.array_equal(values, cell.numpy()), param
+        assert not torch.equal(cell, dict(lm.model.named_parameters())[param])  # quantized indeed
+
+
+def test_the_solution_is_measured_and_evaluated_against_the_full_model(fitted):
+    _, result = fitted
+    assert result["measured_kl"]["fit"] > 0 and result["predicted_kl"] > 0
+    held = result["quality"]["fit"]
+    assert held["kl_divergence"] > 0 and held["tokens_scored"] > 0
+    assert result["estimate_check"]["samples"] == 4
+
+
+def test_a_second_size_reuses_the_prices(fitted, tok_gguf, tmp_path, capsys):
+    fit, first = fitted
+    prices = first["prices"]
+    stamp = os.path.getmtime(prices)
+    again = GGUFFit(str(tok_gguf), GGUFFitConfig(**SMALL), tmp_path / "big.gguf", size=6_000_000,
+                    cache_dir=fit.cache_dir, progress=True)
+    result = again.run()
+    assert "prices from" in capsys.readouterr().out
+    assert result["prices"] == prices and os.path.getmtime(prices) == stamp
+    assert result["bytes"] <= 6_000_000 and result["predicted_kl"] < first["predicted_kl"]
+
+
+def test_anchor_prices_are_measured_and_the_rest_scale_with_output_error(tok_gguf):
+    lm = load_model(str(tok_gguf), "fp32")
+    ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(0))
+    cells = GGUFCells(lm.model, ids, "rtn")
+    probe = ReferenceProbe(lm.model, ids[:, :32])
+    param = "model.layers.1.mlp.down_proj.weight"
+    kinds = tensor_candidates(lm.config, candidate_types(["Q4_0", "Q8_0", "Q2_K", "Q4_K"]))
+    prices = price_cells(cells, probe, {param: kinds[param]}, check_samples=0, progress=False)["cells"][param]
+    anchor = anchor_type(kinds[param])
+    assert anchor.name in ("Q4_0", "Q4_K") and prices[anchor.name]["measured"]
+    assert prices[anchor.name]["kl"] == pytest.approx(
+        kl_with(probe, param, cells.quantize(param, anchor).dequantize()), rel=1e-6)
+    # more bits, less output error and a lower price
+    assert prices["Q8_0"]["error"] < prices["Q4_0"]["error"] < prices["Q2_K"]["error"]
+    assert prices["Q8_0"]["kl"] < prices["Q4_0"]["kl"] < prices["Q2_K"]["kl"]
+    ratio = {n: p["kl"] / p["error"] for n, p in prices.items()}
+    assert max(ratio.values()) == pytest.approx(min(ratio.values()), rel=1e-9)  # one factor per tensor
+
+
+def test_an_embedding_price_runs_the_whole_model(tok_gguf):
+    lm = load_model(str(tok_gguf), "fp32", with_tokenizer=False)
+    ids = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(1))
+    cells = GGUFCells(lm.model, ids, "rtn")
+    probe = ReferenceProbe(lm.model, ids)
+    embed = "model.embed_tokens.weight"
+    weight = cells.quantize(embed, GGUF_TYPES["Q4_0"]).dequantize()
+    kl = kl_with(probe, embed, weight)
+    assert kl > 0
+    # what a full forward with the quantized tied embedding (input rows and head) gives
+    params = dict(lm.model.named_parameters())
+    with torch.no_grad():
+        full = torch.log_softmax(lm.model(ids).float(), -1)
+        original = params[embed].data
+        params[embed].data = weight
+        changed = torch.log_softmax(lm.model(ids).float(), -1)
+        params[embed].data = original
+    assert kl == pytest.approx((full.exp() * (full - changed)).sum(-1).mean().item(), rel=1e-4)
+
+
+def test_budgets_come_from_the_config_alone():
+    source = GGUFModelFile(bundled_model_path("smollm2"))
+    config = source.config()
+    candidates = tensor_candidates(config, candidate_types(["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]))
+    assert [k.name for k in candidates["model.layers.0.self_attn.q_proj.weight"]] == ["Q4_0", "Q5_0", "Q8_0"]
+    assert "Q6_K" in [k.name for k in candidates["model.layers.0.mlp.down_proj.weight"]]
+    budget = gguf_budget(source, candidates, size_of="q4_k_m")
+    assert budget.size_of == "Q4_K_M"
+    assert budget.tensor_bytes == tensor_bytes(config, gguf_types_for(config, recipe("Q4_K_M")))
+    assert baseline_recipe(config, budget) == "Q4_K_M"
+    by_size = gguf_budget(source, candidates, size=110_000_000)
+    assert by_size.tensor_bytes == 110_000_000 - by_size.fixed_bytes
+    assert baseline_recipe(config, by_size) == "Q4_K_M"  # the largest recipe within it
+    with pytest.raises(PaperbackError, match="rows of 576 weights, which none of the candidate types"):
+        tensor_candidates(config, candidate_types(["Q4_K", "Q6_K"]))
+
+
+@pytest.fixture(scope="module")
+def plain_gguf(tmp_path_factory):
+    """A tiny Llama with no tokenizer: the checks below refuse before anything would need one."""
+    hf = tiny_llama_hf(num_hidden_layers=2, vocab_size=256, hidden_size=64, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2)
+    return write_llama_gguf(hf, tmp_path_factory.mktemp("plain") / "plain.gguf")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "40KB"], "the smallest mix"),
+    (["--size-of", "Q4_K_XL"], "unknown llama.cpp recipe 'Q4_K_XL'"),
+    (["--size-of", "Q4_K_M", "--types", "Q4_0,IQ4_XS"], "unknown GGUF weight type 'IQ4_XS'"),
+    (["--size-of", "Q4_K_M", "--types", "Q4_K,Q6_K"], "rows of 64 weights, which none of the candidate types"),
+    ([], "--size BYTES or as --size-of"),
+    (["--size", "100MB", "--size-of", "Q4_K_M"], "(one of them)"),
+    (["--size-of", "Q4_K_M", "--memory", "1GiB"], "--memory is an option of `fit --format checkpoint`"),
+    (["--size-of", "Q4_K_M", "--method", "awq"], "AWQ onto GGUF's types is not built yet"),
+])
+def test_bad_gguf_fits_are_refused_in_one_line_before_the_model_loads(plain_gguf, argv, message, tmp_path, capsys):
+    out = tmp_path / "x.gguf"
+    assert main(["fit", str(plain_gguf), "--format", "gguf", "-o", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_gguf_options_are_refused_for_a_checkpoint_fit(tmp_path, capsys):
+    assert main(["fit", "smollm2", "--memory", "1GiB", "--context", "512", "--size-of", "Q4_K_M",
+                 "-o", str(tmp_path / "d")]) == 2  # refused before the model is even opened
+    assert "--size-of is an option of `fit --format gguf`" in capsys.readouterr().err
+    assert main(["fit", "smollm2", "-o", str(tmp_path / "d")]) == 2
+    assert "--memory and --context" in capsys.readouterr().err
+
+
+def test_a_gguf_fit_needs_a_gguf_file_name_and_source(plain_gguf, tmp_path, capsys):
+    assert main(["fit", str(plain_gguf), "--format", "gguf", "--size-of", "Q4_K_M", "-o", str(tmp_path / "x.bin")]) == 2
+    assert "ending in .gguf" in capsys.readouterr().err
+    existing = tmp_path / "there.gguf"
+    existing.write_bytes(b"keep")
+    assert main(["fit", str(plain_gguf), "--format", "gguf", "--size-of", "Q4_K_M", "-o", str(existing)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and existing.read_bytes() == b"keep"
+    with pytest.raises(PaperbackError, match="not a GGUF file"):
+        hf = tmp_path / "hf"
+        hf.mkdir()
+        (hf / "config.json").write_text("{}")
+        GGUFFit(str(hf), GGUFFitConfig(), tmp_path / "y.gguf", size_of="Q4_K_M")
