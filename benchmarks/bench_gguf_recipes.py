@@ -1,33 +1,43 @@
-"""paperback's GGUF files against llama-quantize's at the same per-tensor types, scored by llama.cpp itself.
+"""paperback's GGUF files against llama-quantize's at the sizes of llama.cpp's recipes, scored by llama.cpp itself.
 
-    .venv/bin/python benchmarks/bench_gguf_recipes.py --models smollm2 --recipes Q4_K_M
+    .venv/bin/python benchmarks/bench_gguf_recipes.py --models smollm2 --recipes Q4_K_M --speed
 
 For each model: the unquantized reference exported as F32 (paperback's dequantized weights, exactly), an
-importance matrix from `llama-imatrix` on the calibration windows paperback uses (pydoc, written out as
-text), then for each recipe llama-quantize's file without and with that importance matrix, and paperback's
-own file at the same types (RTN with searched scales weighted by the same calibration, and GPTQ). Every file
-is scored by `llama-perplexity --kl-divergence` against the F32 reference on WikiText-2 and PTB (never
-calibrated on): mean KLD, perplexity, same-top-token rate, and its bytes. Needs llama.cpp's tools
-(`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes benchmarks/results/gguf_recipes.json.
+importance matrix from `llama-imatrix` on the calibration windows paperback uses (the leading half of pydoc,
+written out as text), then for each recipe:
+
+- llama.cpp: `llama-quantize` from the F32 reference, without and with that importance matrix;
+- paperback fit: `paperback fit --format gguf --size-of RECIPE` (per-tensor types chosen by the exact solve
+  over measured KL, at the recipe's bytes), by each method of --fits;
+- paperback at the recipe's types (--methods): the same types as llama-quantize, quantized by paperback's
+  methods on the same calibration, to separate the quantizer from the allocation.
+
+Every file is scored by `llama-perplexity --kl-divergence` against the F32 reference on WikiText-2 and PTB
+(never calibrated or priced on): mean KLD, perplexity, same-top-token rate, and its bytes. `--speed` runs
+`llama-bench` (prompt 512, 128 generated) on each fitted file and the imatrix recipe file of its size, one
+after the other. Needs llama.cpp's tools (`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes
+benchmarks/results/gguf_recipes.json and a plot of KLD against file size (gguf_recipes.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import llamacpp_tools  # noqa: E402
-from results_io import add_tag_arg, provenance, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import RESULTS, add_tag_arg, provenance, results_name, warn_if_busy, write_results  # noqa: E402
 
 TEXTS = {"wikitext2": "wikitext2_test.txt", "ptb": "ptb_test.txt"}
 WORK = Path.home() / ".cache" / "paperback" / "gguf-bench"
+LLAMACPP, IMATRIX = "llama.cpp", "llama.cpp + imatrix"
 
 
-def paperback_file(model: str, recipe: str, method: str, calibration, out: Path) -> None:
+def recipe_types_file(model: str, recipe: str, method: str, calibration, out: Path) -> None:
     """paperback's file at `recipe`'s types, from a fresh load (quantizing changes the model in place)."""
     from paperback.export.gguf_quantize import gguf_types_for, quantize_to_gguf
     from paperback.loading import load_model
@@ -38,28 +48,47 @@ def paperback_file(model: str, recipe: str, method: str, calibration, out: Path)
                      progress=False, metadata={"gguf": recipe})
 
 
+def fit_row(fit, recipe: str, out: Path) -> dict:
+    """`paperback fit --format gguf --size-of recipe` (through `fit`, whose model and prices are shared by
+    every size); what the fit reported."""
+    t0 = time.perf_counter()
+    result = fit.run_budget(fit.budget_of(size_of=recipe), out)
+    keep = ("written", "baseline", "predicted_kl", "measured_kl", "types", "edges", "exact_types",
+            "estimate_check", "quality", "bytes")
+    return {**{k: result[k] for k in keep}, "candidates": list(fit.config.types), "seconds": time.perf_counter() - t0}
+
+
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--recipes", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M", "Q4_0"])
-    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq"], choices=["rtn", "gptq"])
+    parser.add_argument("--fits", nargs="*", default=["rtn"], choices=["rtn", "gptq"],
+                        help="methods of the `fit --format gguf` rows")
+    parser.add_argument("--blind", action="store_true",
+                        help="also fit without the types that reproduce the reference's own grids exactly (the "
+                             "bundled references are quantized files): what the allocation adds by itself")
+    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq"], choices=["rtn", "gptq"],
+                        help="methods of the rows at the recipe's own types")
     parser.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(TEXTS))
     parser.add_argument("--chunks", type=int, default=16, help="512-token windows llama-perplexity scores")
     parser.add_argument("--calib-samples", type=int, default=64, help="pydoc windows of 512 for both tools")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speed", action="store_true", help="llama-bench each fit against the imatrix recipe")
     parser.add_argument("--recompute", action="store_true", help="remake every file instead of reusing it")
     add_tag_arg(parser)
     args = parser.parse_args()
 
-    from paperback.loading import load_model
+    from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
     from paperback.export.gguf_quantize import quantize_to_gguf, uniform_types
-    from paperback.quantization.calibration import CalibrationConfig, calibration_batch
-    from paperback.quantization.gguf_types import GGUF_TYPES
+    from paperback.loading import load_model
+    from paperback.quantization.calibration import calibration_batch
+    from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES
 
     warn_if_busy()
     data = Path(__file__).resolve().parent.parent / "paperback" / "data"
-    rows = []
+    calib_config = GGUFFitConfig(calib_samples=args.calib_samples).calibration()  # what the fit calibrates on
+    rows, fits, speeds = [], [], []
     for model in args.models:
         work = WORK / model
         work.mkdir(parents=True, exist_ok=True)
@@ -69,29 +98,53 @@ def run() -> int:
             # F32 is a cast: `lm` keeps its weights, so it serves the calibration below too
             quantize_to_gguf(lm, uniform_types(lm.config, GGUF_TYPES["F32"]), reference, overwrite=True,
                              progress=False)
-        calib_config = CalibrationConfig("pydoc", args.calib_samples, 512)
         calibration = calibration_batch(lm.tokenizer, calib_config, lm.model)
-        calib_text = work / f"calibration-{args.calib_samples}.txt"
+        tag = f"{args.calib_samples}-span{calib_config.span:g}"
+        calib_text = work / f"calibration-{tag}.txt"
         calib_text.write_text("".join(lm.tokenizer.decode(row.tolist()) + "\n\n" for row in calibration))
-        imatrix = work / f"imatrix-{args.calib_samples}.gguf"
+        imatrix = work / f"imatrix-{tag}.gguf"
         if args.recompute or not imatrix.exists():
             print(f"{model}: llama-imatrix on {args.calib_samples} calibration windows", flush=True)
             llamacpp_tools.importance_matrix(reference, calib_text, imatrix, 512, args.threads)
+        del lm
         files = {}
         for recipe in args.recipes:
-            plain, weighted = work / f"llamacpp-{recipe}.gguf", work / f"llamacpp-{recipe}-imatrix.gguf"
+            plain, weighted = work / f"llamacpp-{recipe}.gguf", work / f"llamacpp-{recipe}-imatrix-{tag}.gguf"
             if args.recompute or not plain.exists():
                 llamacpp_tools.quantize(reference, plain, recipe, threads=args.threads)
             if args.recompute or not weighted.exists():
                 llamacpp_tools.quantize(reference, weighted, recipe, imatrix, args.threads)
-            files[(recipe, "llama.cpp")] = plain
-            files[(recipe, "llama.cpp + imatrix")] = weighted
+            files[(recipe, LLAMACPP)] = plain
+            files[(recipe, IMATRIX)] = weighted
             for method in args.methods:
-                out = work / f"paperback-{recipe}-{method}-{args.calib_samples}.gguf"
+                out = work / f"paperback-{recipe}-{method}-{tag}.gguf"
                 if args.recompute or not out.exists():
                     print(f"{model}: paperback {method} onto {recipe}'s types", flush=True)
-                    paperback_file(model, recipe, method, calibration, out)
-                files[(recipe, f"paperback {method}")] = out
+                    recipe_types_file(model, recipe, method, calibration, out)
+                files[(recipe, f"paperback {method}, recipe's types")] = out
+        for method in args.fits:
+            fit = GGUFFit(model, GGUFFitConfig(method=method, calib_samples=args.calib_samples),
+                          work / "fit.gguf", size_of=args.recipes[0], overwrite=True)
+            variants = {f"paperback fit ({method})": fit}
+            exact = fit.exact_types() if args.blind else {}
+            if exact:
+                print(f"{model}: {'/'.join(exact)} reproduce the reference exactly; fitting without them too")
+                variants[f"paperback fit ({method}, without {'/'.join(exact)})"] = fit.restricted(
+                    tuple(t for t in QUANTIZED_TYPES if t not in exact))
+            for recipe in args.recipes:
+                for tool, variant in variants.items():
+                    out = work / f"fit-{recipe}-{method}{'' if variant is fit else '-blind'}-{tag}.gguf"
+                    print(f"{model}: {tool} --size-of {recipe}", flush=True)
+                    fits.append({"model": model, "recipe": recipe, "tool": tool, **fit_row(variant, recipe, out)})
+                    files[(recipe, tool)] = out
+        if args.speed:
+            for (recipe, tool), path in files.items():
+                if tool == IMATRIX or tool.startswith("paperback fit"):
+                    measured = llamacpp_tools.speed(path, args.threads)
+                    speeds.append({"model": model, "recipe": recipe, "tool": tool, "bytes": path.stat().st_size,
+                                   **measured})
+                    print(f"{model} {recipe} {tool:40} prompt {measured['prompt']['tokens_per_s']:.1f} t/s, "
+                          f"generate {measured['generate']['tokens_per_s']:.1f} t/s", flush=True)
         for text in args.texts:
             base = work / f"base-{text}-{args.chunks}.kld"
             ref = llamacpp_tools.kld_base(reference, data / TEXTS[text], base, 512, args.chunks, args.threads)
@@ -100,22 +153,62 @@ def run() -> int:
                 row = {"model": model, "recipe": recipe, "tool": tool, "text": text, "bytes": path.stat().st_size,
                        "reference_perplexity": ref["perplexity"], **scored}
                 rows.append(row)
-                print(f"{model} {recipe:7} {tool:22} {text:9} KLD {row['kld']:.5f} ppl {row['perplexity']:.3f} "
+                print(f"{model} {recipe:7} {tool:32} {text:9} KLD {row['kld']:.5f} ppl {row['perplexity']:.3f} "
                       f"top {row['same_top_p']:.3f} {row['bytes'] / 1e6:.1f} MB", flush=True)
     warn_if_busy(args.threads)
-    print()
-    print("| model | recipe | text | " + " | ".join(sorted({r["tool"] for r in rows})) + " |")
-    tools = sorted({r["tool"] for r in rows})
-    print("|" + "---|" * (3 + len(tools)))
-    for key in sorted({(r["model"], r["recipe"], r["text"]) for r in rows}):
-        cells = {r["tool"]: r for r in rows if (r["model"], r["recipe"], r["text"]) == key}
-        print(f"| {' | '.join(key)} | " + " | ".join(f"{cells[t]['kld']:.4f}" if t in cells else "-"
-                                                     for t in tools) + " |")
-    write_results(results_name("gguf_recipes", args.tag), {
+    print_tables(rows, speeds)
+    stem = results_name("gguf_recipes", args.tag).removesuffix(".json")
+    write_results(f"{stem}.json", {
         "provenance": provenance(args.threads), "llamacpp_built_for": llamacpp_tools.built_for(),
         "llamacpp": "llama-cpp-python 0.3.36's vendored llama.cpp", "context": 512, "chunks": args.chunks,
-        "calibration": calib_config.to_dict(), "rows": rows})
+        "calibration": calib_config.to_dict(), "rows": rows, "fits": fits, "speed": speeds})
+    plot(rows, RESULTS / f"{stem}.png")
     return 0
+
+
+def print_tables(rows: list[dict], speeds: list[dict]) -> None:
+    tools = list(dict.fromkeys(r["tool"] for r in rows))
+    print("\n| model | recipe | text | " + " | ".join(tools) + " |")
+    print("|" + "---|" * (3 + len(tools)))
+    for key in dict.fromkeys((r["model"], r["recipe"], r["text"]) for r in rows):
+        cells = {r["tool"]: r for r in rows if (r["model"], r["recipe"], r["text"]) == key}
+        best = min(c["kld"] for c in cells.values())
+        print(f"| {' | '.join(key)} | " + " | ".join(
+            "-" if t not in cells else (f"**{cells[t]['kld']:.4f}**" if cells[t]["kld"] == best else
+                                        f"{cells[t]['kld']:.4f}") for t in tools) + " |")
+    if speeds:
+        print("\n| model | recipe | file | prompt 512 t/s | generate 128 t/s |\n|---|---|---|---|---|")
+        for s in speeds:
+            print(f"| {s['model']} | {s['recipe']} | {s['tool']} | {s['prompt']['tokens_per_s']:.1f} ± "
+                  f"{s['prompt']['stddev']:.1f} | {s['generate']['tokens_per_s']:.1f} ± {s['generate']['stddev']:.1f} |")
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """KLD against file size, a panel per model and text: llama.cpp's recipes as points, paperback as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["model"], r["text"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (model, text) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["model"], r["text"]) == (model, text)]
+        for tool in dict.fromkeys(r["tool"] for r in mine):
+            points = sorted((r["bytes"] / 1e6, r["kld"]) for r in mine if r["tool"] == tool)
+            style = {"linestyle": "none"} if tool.startswith("llama.cpp") else {}
+            ax.plot(*zip(*points), marker="o" if tool.startswith("llama.cpp") else "s", label=tool, **style)
+        for r in mine:
+            if r["tool"] == IMATRIX:
+                ax.annotate(r["recipe"], (r["bytes"] / 1e6, r["kld"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("file size (MB)")
+        ax.set_ylabel("mean KLD to the F32 file (llama-perplexity)")
+        ax.set_title(f"{model}, {text}")
+        ax.legend(fontsize=7)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,19 @@ def kld(model: Path, text: Path, base: Path, context: int, chunks: int, threads:
 
     return {"kld": number("Mean    KLD"), "perplexity": number("Mean PPL(Q)"),
             "same_top_p": number("Same top p") / 100, "repack": repack}
+
+
+def speed(model: Path, threads: int, prompt: int = 512, generate: int = 128, repetitions: int = 3) -> dict:
+    """llama-bench on `model`: prompt processing of `prompt` tokens and generation of `generate` tokens,
+    tokens/s (mean and standard deviation over `repetitions` runs)."""
+    import json
+
+    output, repack = _run([tool("llama-bench"), "-m", model, "-p", prompt, "-n", generate, "-t", threads,
+                           "-r", repetitions, "-o", "json"], f"llama-bench {Path(model).name}", "--repack 0")
+    found = {}
+    tests, _ = json.JSONDecoder().raw_decode(output[output.index("["):])  # stdout's JSON, then stderr's log
+    for test in tests:
+        kind = "prompt" if test["n_prompt"] else "generate"
+        found[kind] = {"tokens": test["n_prompt"] or test["n_gen"], "tokens_per_s": test["avg_ts"],
+                       "stddev": test["stddev_ts"]}
+    return {**found, "threads": threads, "repetitions": repetitions, "repack": repack}

@@ -17,14 +17,14 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from paperback.allocate.gguf_budget import GGUFBudget, candidate_types, gguf_budget, tensor_candidates
 from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
-from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, price_cells
+from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, exact_types, price_cells
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.solver import Group, Option, solve
 from paperback.errors import DatasetError, PaperbackError
@@ -99,11 +99,15 @@ def source_gguf(spec: str | None) -> Path:
     return Path(source.path)
 
 
-def baseline_recipe(config, budget: GGUFBudget) -> str | None:
-    """The named llama.cpp recipe the fit is measured against: --size-of's, else the largest within budget."""
+def baseline_recipe(config, budget: GGUFBudget, kinds: tuple[GGUFType, ...]) -> str | None:
+    """The named llama.cpp recipe the fit is measured against: --size-of's, else the largest within the
+    budget; only a recipe whose every type is a candidate (a fit told to avoid a type never writes it)."""
+    allowed = {k.name for k in kinds}
+    every = {name: gguf_types_for(config, r) for name, r in RECIPES.items()}
+    usable = {name: types for name, types in every.items() if {t.name for t in types.values()} <= allowed}
     if budget.size_of:
-        return budget.size_of
-    sizes = {name: tensor_bytes(config, gguf_types_for(config, r)) for name, r in RECIPES.items()}
+        return budget.size_of if budget.size_of in usable else None
+    sizes = {name: tensor_bytes(config, types) for name, types in usable.items()}
     within = [name for name, size in sizes.items() if size <= budget.tensor_bytes]
     return max(within, key=sizes.get, default=None)
 
@@ -113,7 +117,9 @@ def default_cache_dir() -> Path:
 
 
 class GGUFFit:
-    """One GGUF fit. Everything a user can get wrong is checked in the constructor, before the weights load."""
+    """A GGUF fit of one model. Everything a user can get wrong is checked in the constructor, before the
+    weights load; `run` fits the budget given there, and `run_budget` any other with the same prices (a
+    benchmark's several sizes from one load)."""
 
     def __init__(self, spec: str | None, config: GGUFFitConfig, out: Path, size: int | None = None,
                  size_of: str | None = None, overwrite: bool = False, cache_dir: Path | None = None,
@@ -121,31 +127,60 @@ class GGUFFit:
         from paperback.evaluation.datasets import load_text
         from paperback.loading.gguf_file import GGUFModelFile
 
-        self.spec, self.config, self.out, self.progress = spec, config, Path(out), progress
-        if self.out.suffix != ".gguf":
-            raise PaperbackError(f"a GGUF fit writes one file: give -o a name ending in .gguf, not {self.out}")
-        if self.out.exists() and not overwrite:
-            raise PaperbackError(f"{self.out} exists; pass --overwrite to replace it")
+        self.spec, self.config, self.progress, self.overwrite = spec, config, progress, overwrite
+        self.out = self._checked_output(out)
         self.source = source_gguf(spec)
-        source_file = GGUFModelFile(self.source)  # metadata only: no tensor is read
-        self.model_config = source_file.config()
-        self.candidates = tensor_candidates(self.model_config, candidate_types(config.types))
-        self.budget = gguf_budget(source_file, self.candidates, size, size_of)
+        self.source_file = GGUFModelFile(self.source)  # metadata only: no tensor is read
+        self.model_config = self.source_file.config()
+        self.kinds = candidate_types(config.types)
+        self.candidates = tensor_candidates(self.model_config, self.kinds)
+        # Every legal quantized type is priced (and cached), whichever the solve may choose from
+        self.priced = tensor_candidates(self.model_config, candidate_types((*QUANTIZED_TYPES, *config.types)))
+        self.budget = self.budget_of(size, size_of)
         self.text = load_text(config.text)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.seconds: dict[str, float] = {}
+        self._shared: dict = {}  # the loaded model, cells and prices: one per fit and its `restricted` copies
+
+    def _checked_output(self, out: Path) -> Path:
+        out = Path(out)
+        if out.suffix != ".gguf":
+            raise PaperbackError(f"a GGUF fit writes one file: give -o a name ending in .gguf, not {out}")
+        if out.exists() and not self.overwrite:
+            raise PaperbackError(f"{out} exists; pass --overwrite to replace it")
+        return out
+
+    def restricted(self, types: tuple[str, ...]) -> GGUFFit:
+        """The same fit (model, statistics and prices shared) choosing only from `types`."""
+        other = copy.copy(self)
+        other.config = replace(self.config, types=tuple(types))
+        other.kinds = candidate_types(types)
+        other.candidates = tensor_candidates(self.model_config, other.kinds)
+        return other
+
+    def exact_types(self) -> dict[str, int]:
+        """The types that reproduce most of the source's tensors exactly (gguf_prices.exact_types)."""
+        return exact_types(self._prepare()[2])
+
+    def budget_of(self, size: int | None = None, size_of: str | None = None) -> GGUFBudget:
+        return gguf_budget(self.source_file, self.candidates, size, size_of)
 
     def _stage(self, message: str) -> None:
         if self.progress:
             print(f"[fit gguf] {message}", flush=True)
 
     def run(self) -> dict:
+        return self.run_budget(self.budget, self.out)
+
+    def _prepare(self):
+        """(model, cells, prices, held-out ids): loaded, measured and priced once per fit object."""
         from paperback.allocate.profile import model_fingerprint, text_fingerprint
         from paperback.loading import load_model
 
+        if "state" in self._shared:
+            return self._shared["state"]
         cfg = self.config
         lm = load_model(self.spec, "fp32")
-        model = lm.model
         tokens = lm.tokenizer.encode(self.text, add_special_tokens=False)
         held_out = tokens[int(len(tokens) * cfg.span):]
         if len(held_out) < cfg.eval_context:
@@ -153,30 +188,43 @@ class GGUFFit:
                                f"{len(held_out)} tokens, fewer than one evaluation window of {cfg.eval_context}")
         t0 = time.perf_counter()
         self._stage(f"input statistics on {cfg.calib_samples} windows of {cfg.window_tokens} tokens of {cfg.text}")
-        cells = GGUFCells(model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq)
+        cells = GGUFCells(lm.model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq)
         self.seconds["statistics"] = time.perf_counter() - t0
-        key = hashlib.sha256(json.dumps({"model": model_fingerprint(model), "text": text_fingerprint(self.text),
-                                         **cfg.price_settings()}, sort_keys=True).encode()).hexdigest()[:24]
+        settings = {**cfg.price_settings(), "types": sorted({k.name for ks in self.priced.values() for k in ks})}
+        key = hashlib.sha256(json.dumps({"model": model_fingerprint(lm.model), "text": text_fingerprint(self.text),
+                                         **settings}, sort_keys=True).encode()).hexdigest()[:24]
         cached = self.cache_dir / f"{key}.json"
         t0 = time.perf_counter()
         if cached.is_file():
             self._stage(f"prices from {cached}")
             prices = json.loads(cached.read_text())
         else:
-            count = sum(len(k) for k in self.candidates.values())
-            self._stage(f"pricing {count} cells ({len(self.candidates)} tensors x their legal types) by {cfg.method}")
-            probe = ReferenceProbe(model, calibration_batch(lm.tokenizer, cfg.probe()))
-            prices = price_cells(cells, probe, self.candidates, cfg.anchor_bits, cfg.check_samples, cfg.seed,
+            count = sum(len(k) for k in self.priced.values())
+            self._stage(f"pricing {count} cells ({len(self.priced)} tensors x their legal types) by {cfg.method}")
+            probe = ReferenceProbe(lm.model, calibration_batch(lm.tokenizer, cfg.probe()))
+            prices = price_cells(cells, probe, self.priced, cfg.anchor_bits, cfg.check_samples, cfg.seed,
                                  self.progress)
             del probe
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(prices))
             os.replace(tmp, cached)
+        prices["path"] = str(cached)
         self.seconds["price"] = time.perf_counter() - t0
-        types, predicted = self._solve(prices)
+        self._shared["state"] = (lm, cells, prices, held_out)
+        return self._shared["state"]
+
+    def run_budget(self, budget: GGUFBudget, out: Path) -> dict:
+        """Fit `budget`, write `out`, evaluate it: the result `fit --json` prints."""
+        from paperback.export.gguf_quantize import write_weights
+
+        out = self._checked_output(out)
+        cfg = self.config
+        lm, cells, prices, held_out = self._prepare()
+        model = lm.model
+        types, predicted = self._solve(prices, budget)
         t0 = time.perf_counter()
-        baseline = baseline_recipe(self.model_config, self.budget)
+        baseline = baseline_recipe(self.model_config, budget, self.kinds)
         contenders = {"fit": types}
         if baseline is not None:
             contenders[baseline] = gguf_types_for(self.model_config, recipe(baseline))
@@ -192,42 +240,43 @@ class GGUFFit:
         self.seconds["check"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         chosen = contenders[written]
-        self._stage(f"writing {self.out} ({'the solution' if written == 'fit' else f'{written}: it measured lower'})")
+        self._stage(f"writing {out} ({'the solution' if written == 'fit' else f'{written}: it measured lower'})")
         record = {"method": cfg.method, "types": {p: t.name for p, t in chosen.items()},
-                  "fit": {"budget": self.budget.to_dict(), "written": written, "predicted_kl": predicted,
+                  "fit": {"budget": budget.to_dict(), "written": written, "predicted_kl": predicted,
                           "measured_kl": measured, "calibration": cfg.calibration().to_dict()}}
-        from paperback.export.gguf_quantize import write_weights
-
-        summary = write_weights(lm, {p: cells.quantized(p, t) for p, t in chosen.items()}, self.out, record,
+        summary = write_weights(lm, {p: cells.quantized(p, t) for p, t in chosen.items()}, out, record,
                                 self.progress)
-        if self.budget.file_bytes is not None and summary["bytes"] > self.budget.file_bytes:
-            raise PaperbackError(f"the written file has {summary['bytes']:,} bytes, over the {self.budget.file_bytes:,} "
+        if budget.file_bytes is not None and summary["bytes"] > budget.file_bytes:
+            raise PaperbackError(f"the written file has {summary['bytes']:,} bytes, over the {budget.file_bytes:,} "
                                  "asked for: the estimate of its metadata was short (a bug: please report it)")
         self.seconds["write"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        quality = self._evaluate(lm, held_out, cells, contenders, written)
+        quality = self._evaluate(lm, held_out, cells, contenders, written, out)
         self.seconds["evaluate"] = time.perf_counter() - t0
         layers, edges = self._layer_table(chosen)
-        return {"output": str(self.out), "model": lm.source.label, "source": str(self.source),
-                "budget": self.budget.to_dict(), "bytes": summary["bytes"], "tensor_bytes": summary["tensor_bytes"],
+        return {"output": str(out), "model": lm.source.label, "source": str(self.source),
+                "budget": budget.to_dict(), "bytes": summary["bytes"], "tensor_bytes": summary["tensor_bytes"],
                 "bits_per_weight": 8 * summary["tensor_bytes"] / sum(o * i for o, i in
                                                                      weight_shapes(self.model_config).values()),
                 "written": written, "baseline": baseline, "predicted_kl": predicted, "measured_kl": measured,
                 "types": dict(Counter(t.name for t in chosen.values())),
                 "tensors": {p: t.name for p, t in chosen.items()}, "layers": layers, "edges": edges,
                 "estimate_check": {k: v for k, v in prices["check"].items() if k != "points"},
-                "quality": quality, "prices": str(cached), "seconds": self.seconds, "config": cfg.to_dict()}
+                "exact_types": exact_types(prices),
+                "quality": quality, "prices": prices["path"], "seconds": dict(self.seconds),
+                "config": cfg.to_dict()}
 
-    def _solve(self, prices: dict) -> tuple[dict[str, GGUFType], float]:
+    def _solve(self, prices: dict, budget: GGUFBudget) -> tuple[dict[str, GGUFType], float]:
         shapes = weight_shapes(self.model_config)
         table = costs(prices)
         groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name])
                                      for k in kinds)) for param, kinds in self.candidates.items()]
-        chosen = solve(groups, self.budget.tensor_bytes)
-        self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {self.budget.label}")
+        chosen = solve(groups, budget.tensor_bytes)
+        self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {budget.label}")
         return {p: GGUF_TYPES[o.label] for p, o in chosen.items()}, sum(o.cost for o in chosen.values())
 
-    def _evaluate(self, lm, held_out: list[int], cells: GGUFCells, contenders: dict, written: str) -> dict:
+    def _evaluate(self, lm, held_out: list[int], cells: GGUFCells, contenders: dict, written: str,
+                  out: Path) -> dict:
         """The written file read back, and the other contender, against the full model on held-out text."""
         from paperback.evaluation.perplexity import evaluate
         from paperback.loading import load_model
@@ -235,7 +284,7 @@ class GGUFFit:
         cfg = self.config
         bos = lm.tokenizer.bos_token_id if lm.tokenizer.adds_bos else None
         self._stage(f"evaluating on {cfg.eval_windows} held-out windows of {cfg.eval_context}")
-        fitted = load_model(str(self.out), "fp32", with_tokenizer=False)  # exactly what was written
+        fitted = load_model(str(out), "fp32", with_tokenizer=False)  # exactly what was written
         reference_cache: dict = {}
 
         def score(model) -> dict:

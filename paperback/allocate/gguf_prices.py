@@ -91,3 +91,16 @@ def _check(cells: GGUFCells, probe: ReferenceProbe, prices: dict, samples: int, 
 def costs(prices: dict) -> dict[str, dict[str, float]]:
     """{param: {type: KL}}: what the solve reads."""
     return {param: {name: cell["kl"] for name, cell in row.items()} for param, row in prices["cells"].items()}
+
+
+def exact_types(prices: dict) -> dict[str, int]:
+    """{type: tensors it stores with no error at all}, for types that reproduce more than half of the tensors
+    they can take: the grids of an already-quantized source (the bundled models are GGUF files), which any
+    fit at or above the source's size will simply give back."""
+    found: dict[str, list[int]] = {}
+    for row in prices["cells"].values():
+        for name, cell in row.items():
+            counts = found.setdefault(name, [0, 0])
+            counts[0] += cell["error"] == 0
+            counts[1] += 1
+    return {name: exact for name, (exact, total) in found.items() if exact * 2 > total}

@@ -228,15 +228,15 @@ def _print_gguf(result: dict) -> None:
                  ["types", ", ".join(f"{k} x{v}" for k, v in result["types"].items())],
                  ["written", "the solution" if result["written"] == "fit" else
                   f"{result['written']} (it measured lower than the solution)"],
-                 ["predicted KL of the solution", f"{result['predicted_kl']:.4f}"]])
+                 ["predicted KL of the solution", f"{result['predicted_kl']:.4g}"]])
     q = result["quality"]
     names = [n for n in q if n != "held_out_tokens"]
     first = q[names[0]]
     print_table(f"held-out text ({first['tokens_scored']} tokens at context {first['context']}) against the full model",
-                ["", *names], [["KL (nats/token)", *(f"{q[n]['kl_divergence']:.4f}" for n in names)],
+                ["", *names], [["KL (nats/token)", *(f"{q[n]['kl_divergence']:.4g}" for n in names)],
                                ["perplexity", *(f"{q[n]['perplexity']:.3f}" for n in names)],
                                ["top-1 agreement", *(f"{q[n]['top1_agreement']:.3f}" for n in names)],
-                               ["KL on the check windows", *(f"{result['measured_kl'][n]:.4f}" for n in names)]])
+                               ["KL on the check windows", *(f"{result['measured_kl'][n]:.4g}" for n in names)]])
     roles = [k for k in result["layers"][0] if k != "layer"]
     print_table("types per block" + "".join(f"; {k}: {v}" for k, v in result["edges"].items()),
                 ["layer", *roles], [[row["layer"], *(row.get(r, "") for r in roles)] for row in result["layers"]])

@@ -25,7 +25,7 @@ from paperback.loading.gguf_file import GGUFModelFile, unpermute_rope_rows
 from paperback.loading.sources import bundled_model_path
 from paperback.quantization.calibration import calibration_batch
 from paperback.quantization.gguf_recipes import recipe
-from paperback.quantization.gguf_types import GGUF_TYPES
+from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES
 
 SMALL = {"calib_samples": 4, "window_tokens": 128, "probe_windows": 2, "probe_tokens": 64, "check_windows": 2,
          "eval_windows": 2, "eval_context": 128, "check_samples": 4}
@@ -154,10 +154,14 @@ def test_budgets_come_from_the_config_alone():
     budget = gguf_budget(source, candidates, size_of="q4_k_m")
     assert budget.size_of == "Q4_K_M"
     assert budget.tensor_bytes == tensor_bytes(config, gguf_types_for(config, recipe("Q4_K_M")))
-    assert baseline_recipe(config, budget) == "Q4_K_M"
+    everything = candidate_types(QUANTIZED_TYPES)
+    assert baseline_recipe(config, budget, everything) == "Q4_K_M"
     by_size = gguf_budget(source, candidates, size=110_000_000)
     assert by_size.tensor_bytes == 110_000_000 - by_size.fixed_bytes
-    assert baseline_recipe(config, by_size) == "Q4_K_M"  # the largest recipe within it
+    assert baseline_recipe(config, by_size, everything) == "Q4_K_M"  # the largest recipe within it
+    # a recipe with a type the fit may not take is never its baseline (nor written instead of it)
+    assert baseline_recipe(config, budget, candidate_types(["Q4_0", "Q5_0", "Q8_0", "Q4_K"])) is None
+    assert baseline_recipe(config, by_size, candidate_types(["Q4_0", "Q8_0"])) == "Q4_0"
     with pytest.raises(PaperbackError, match="rows of 576 weights, which none of the candidate types"):
         tensor_candidates(config, candidate_types(["Q4_K", "Q6_K"]))
 
