@@ -55,7 +55,7 @@ def undominated(options: tuple[Option, ...]) -> list[Option]:
 
 def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     """{group name: chosen option} minimising total cost with total bytes <= capacity."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import LinearConstraint
 
     if not groups:
         return {}
@@ -78,10 +78,24 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     one_per_group = np.zeros((len(groups), n))
     for j, (gi, _) in enumerate(options):
         one_per_group[gi, j] = 1.0
-    # Bytes are scaled to keep the constraint well conditioned next to the 0/1 rows; HiGHS honours a row
-    # to about 1e-6 of its scale, so the bound is pulled in by that much to stay within the capacity.
-    constraints = [LinearConstraint(one_per_group, 1, 1),
-                   LinearConstraint(sizes[None, :] / scale, -np.inf, capacity / scale - 1e-6)]
+    # Bytes are scaled to keep the constraint well conditioned next to the 0/1 rows. HiGHS honours a row to
+    # about 1e-6 of its scale, so a solution may overrun the capacity by that much: it is then solved again
+    # with the bound pulled in by as much. (Pulling it in from the start would rule out a choice that fills
+    # the capacity exactly, such as a llama.cpp recipe's own types at that recipe's size.)
+    for pull_in in (0.0, 1e-6):
+        constraints = [LinearConstraint(one_per_group, 1, 1),
+                       LinearConstraint(sizes[None, :] / scale, -np.inf, capacity / scale - pull_in)]
+        chosen = _solve_mip(groups, options, shifted, raw, constraints)
+        if len(chosen) == len(groups) and sum(o.bytes for o in chosen.values()) <= capacity:
+            return chosen
+    # HiGHS honours constraints to a tolerance; a solution that breaks them is not one.
+    raise PaperbackError("the allocation solver returned an infeasible choice")
+
+
+def _solve_mip(groups: list[Group], options: list, shifted, raw, constraints) -> dict[str, Option]:
+    from scipy.optimize import Bounds, milp
+
+    n = len(options)
     # HiGHS (scipy 1.17) sometimes ends a MIP of this shape in "Solve error" (status 4) on one scaling of the
     # costs and solves another: SmolLM2's anchored profile at the W4 g64 budget fails unshifted, a tiny test
     # model's shifted. Each equivalent form is tried at a zero gap first, then at HiGHS's default gap (1e-4).
@@ -98,10 +112,6 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     for j, (gi, option) in enumerate(options):
         if result.x[j] > 0.5:
             chosen[groups[gi].name] = option
-    used = sum(o.bytes for o in chosen.values())
-    if len(chosen) != len(groups) or used > capacity:
-        # HiGHS honours constraints to a tolerance; a solution that breaks them is not one.
-        raise PaperbackError("the allocation solver returned an infeasible choice")
     return chosen
 
 

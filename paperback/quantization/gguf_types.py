@@ -96,9 +96,15 @@ LEGACY_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1
 
 def gguf_type(name: str) -> GGUFType:
     """The type named `name` (case-insensitive), or a PaperbackError listing the ones paperback writes."""
+    import gguf
+
     found = GGUF_TYPES.get(str(name).upper())
     if found is None:
-        raise PaperbackError(f"unknown GGUF weight type '{name}' (paperback writes {', '.join(GGUF_TYPES)})")
+        if str(name).upper() in gguf.GGMLQuantizationType.__members__:
+            raise PaperbackError(f"llama.cpp's weight type {str(name).upper()} is not one paperback writes yet "
+                                 f"(it writes {', '.join(GGUF_TYPES)})")
+        raise PaperbackError(f"unknown GGUF weight type '{name}': llama.cpp has no such type (paperback writes "
+                             f"{', '.join(GGUF_TYPES)})")
     return found
 
 

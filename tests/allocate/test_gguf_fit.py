@@ -177,7 +177,8 @@ def plain_gguf(tmp_path_factory):
 @pytest.mark.parametrize("argv, message", [
     (["--size", "40KB"], "the smallest mix"),
     (["--size-of", "Q4_K_XL"], "unknown llama.cpp recipe 'Q4_K_XL'"),
-    (["--size-of", "Q4_K_M", "--types", "Q4_0,IQ4_XS"], "unknown GGUF weight type 'IQ4_XS'"),
+    (["--size-of", "Q4_K_M", "--types", "Q4_0,Q4_K_X"], "unknown GGUF weight type 'Q4_K_X': llama.cpp has no"),
+    (["--size-of", "Q4_K_M", "--types", "Q4_0,IQ4_XS"], "llama.cpp's weight type IQ4_XS is not one paperback writes"),
     (["--size-of", "Q4_K_M", "--types", "Q4_K,Q6_K"], "rows of 64 weights, which none of the candidate types"),
     ([], "--size BYTES or as --size-of"),
     (["--size", "100MB", "--size-of", "Q4_K_M"], "(one of them)"),

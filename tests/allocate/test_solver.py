@@ -69,3 +69,13 @@ def test_dominated_and_duplicate_options_are_dropped_before_the_solve():
     assert [o.label for o in undominated(options)] == ["a", "c"]  # b costs more bytes and more KL than a
     chosen = solve([Group("x", options), Group("y", options)], 16)
     assert sorted(o.label for o in chosen.values()) == ["a", "c"]
+
+
+def test_a_choice_that_fills_the_capacity_exactly_is_taken():
+    # Byte counts of GGUF tensors at a llama.cpp recipe's own size: the recipe's types fill it to the byte.
+    groups = [Group(f"t{i}", (Option("small", 18_874_368, 1.0), Option("exact", 20_971_520, 0.0),
+                              Option("big", 35_651_584, 0.0))) for i in range(30)]
+    capacity = 30 * 20_971_520
+    chosen = solve(groups, capacity)
+    assert all(o.label == "exact" for o in chosen.values())
+    assert sum(o.bytes for o in chosen.values()) == capacity
