@@ -22,6 +22,7 @@ benchmarks/results/gguf_recipes.json and a plot of KLD against file size (gguf_r
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -76,8 +77,15 @@ def run() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speed", action="store_true", help="llama-bench each fit against the imatrix recipe")
     parser.add_argument("--recompute", action="store_true", help="remake every file instead of reusing it")
+    parser.add_argument("--replot", action="store_true", help="print the tables and redraw the plot from the JSON")
     add_tag_arg(parser)
     args = parser.parse_args()
+    stem = results_name("gguf_recipes", args.tag).removesuffix(".json")
+    if args.replot:
+        saved = json.loads((RESULTS / f"{stem}.json").read_text())
+        print_tables(saved["rows"], saved["speed"])
+        plot(saved["rows"], RESULTS / f"{stem}.png")
+        return 0
 
     from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
     from paperback.export.gguf_quantize import quantize_to_gguf, uniform_types
@@ -157,7 +165,6 @@ def run() -> int:
                       f"top {row['same_top_p']:.3f} {row['bytes'] / 1e6:.1f} MB", flush=True)
     warn_if_busy(args.threads)
     print_tables(rows, speeds)
-    stem = results_name("gguf_recipes", args.tag).removesuffix(".json")
     write_results(f"{stem}.json", {
         "provenance": provenance(args.threads), "llamacpp_built_for": llamacpp_tools.built_for(),
         "llamacpp": "llama-cpp-python 0.3.36's vendored llama.cpp", "context": 512, "chunks": args.chunks,
@@ -191,13 +198,14 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["model"], r["text"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False, layout="constrained")
     for ax, (model, text) in zip(axes[0], panels):
         mine = [r for r in rows if (r["model"], r["text"]) == (model, text)]
         for tool in dict.fromkeys(r["tool"] for r in mine):
             points = sorted((r["bytes"] / 1e6, r["kld"]) for r in mine if r["tool"] == tool)
-            style = {"linestyle": "none"} if tool.startswith("llama.cpp") else {}
-            ax.plot(*zip(*points), marker="o" if tool.startswith("llama.cpp") else "s", label=tool, **style)
+            fitted = tool.startswith("paperback fit")  # a curve over sizes; the others are one file per recipe
+            ax.plot(*zip(*points), marker="s" if fitted else "o", linestyle="-" if fitted else "none",
+                    label=tool, markersize=6 if fitted else 5)
         for r in mine:
             if r["tool"] == IMATRIX:
                 ax.annotate(r["recipe"], (r["bytes"] / 1e6, r["kld"]), fontsize=7, xytext=(3, 3),
@@ -206,7 +214,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.set_xlabel("file size (MB)")
         ax.set_ylabel("mean KLD to the F32 file (llama-perplexity)")
         ax.set_title(f"{model}, {text}")
-        ax.legend(fontsize=7)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="outside lower center", ncol=3)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"wrote {out}")
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from paperback.errors import PaperbackError
 from paperback.export.hf_config import hf_config, hf_parameter_name
 from paperback.export.hf_export import DTYPES
