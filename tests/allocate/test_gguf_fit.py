@@ -213,3 +213,15 @@ def test_a_gguf_fit_needs_a_gguf_file_name_and_source(plain_gguf, tmp_path, caps
         hf.mkdir()
         (hf / "config.json").write_text("{}")
         GGUFFit(str(hf), GGUFFitConfig(), tmp_path / "y.gguf", size_of="Q4_K_M")
+
+
+def test_a_restricted_fit_shares_the_prices_and_takes_only_its_types(fitted, tmp_path):
+    fit, first = fitted
+    assert fit.exact_types() == {}  # an F32 source: no type reproduces it
+    narrow = fit.restricted(("Q4_0", "Q8_0", "Q4_K"))
+    assert narrow._shared is fit._shared  # the loaded model, cells and prices, once
+    result = narrow.run_budget(narrow.budget_of(size=4_000_000), tmp_path / "narrow.gguf")
+    assert set(result["types"]) <= {"Q4_0", "Q8_0", "Q4_K"}
+    assert result["prices"] == first["prices"] and result["bytes"] <= 4_000_000
+    # the unrestricted solve had more to choose from, so its predicted KL is no higher
+    assert first["predicted_kl"] <= result["predicted_kl"]
