@@ -14,8 +14,8 @@ written out as text), then for each recipe:
 
 Every file is scored by `llama-perplexity --kl-divergence` against the F32 reference on WikiText-2 and PTB
 (never calibrated or priced on): mean KLD, perplexity, same-top-token rate, and its bytes. `--speed` runs
-`llama-bench` (prompt 512, 128 generated) on each fitted file and the imatrix recipe file of its size, one
-after the other. Needs llama.cpp's tools (`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes
+`llama-bench` (prompt 512, 128 generated) on each fitted file and the imatrix recipe file of its size, the
+files in turn for --speed-rounds rounds. Needs llama.cpp's tools (`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes
 benchmarks/results/gguf_recipes.json and a plot of KLD against file size (gguf_recipes.png).
 """
 
@@ -76,6 +76,7 @@ def run() -> int:
     parser.add_argument("--calib-samples", type=int, default=64, help="pydoc windows of 512 for both tools")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speed", action="store_true", help="llama-bench each fit against the imatrix recipe")
+    parser.add_argument("--speed-rounds", type=int, default=5, help="rounds of llama-bench, the files in turn")
     parser.add_argument("--recompute", action="store_true", help="remake every file instead of reusing it")
     parser.add_argument("--replot", action="store_true", help="print the tables and redraw the plot from the JSON")
     add_tag_arg(parser)
@@ -146,11 +147,12 @@ def run() -> int:
                     fits.append({"model": model, "recipe": recipe, "tool": tool, **fit_row(variant, recipe, out)})
                     files[(recipe, tool)] = out
         if args.speed:
-            for (recipe, tool), path in files.items():
-                if tool == IMATRIX or tool.startswith("paperback fit"):
-                    measured = llamacpp_tools.speed(path, args.threads)
-                    speeds.append({"model": model, "recipe": recipe, "tool": tool, "bytes": path.stat().st_size,
-                                   **measured})
+            for recipe in args.recipes:
+                timed = {tool: path for (r, tool), path in files.items()
+                         if r == recipe and (tool == IMATRIX or tool.startswith("paperback fit"))}
+                for tool, measured in interleaved_speed(timed, args.threads, args.speed_rounds).items():
+                    speeds.append({"model": model, "recipe": recipe, "tool": tool,
+                                   "bytes": timed[tool].stat().st_size, **measured})
                     print(f"{model} {recipe} {tool:40} prompt {measured['prompt']['tokens_per_s']:.1f} t/s, "
                           f"generate {measured['generate']['tokens_per_s']:.1f} t/s", flush=True)
         for text in args.texts:
@@ -171,6 +173,25 @@ def run() -> int:
         "calibration": calib_config.to_dict(), "rows": rows, "fits": fits, "speed": speeds})
     plot(rows, RESULTS / f"{stem}.png")
     return 0
+
+
+def interleaved_speed(files: dict[str, Path], threads: int, rounds: int) -> dict[str, dict]:
+    """llama-bench on each file once per round, the files in turn, so a drift of the machine's speed (seen to
+    move one file's prompt rate by 20% within a run) falls on all of them alike; mean and spread over rounds."""
+    import statistics
+
+    runs: dict[str, list[dict]] = {tool: [] for tool in files}
+    for _ in range(rounds):
+        for tool, path in files.items():
+            runs[tool].append(llamacpp_tools.speed(path, threads, repetitions=1))
+    summary = {}
+    for tool, measured in runs.items():
+        summary[tool] = {"rounds": rounds, "threads": threads, "repack": all(m["repack"] for m in measured)}
+        for kind in ("prompt", "generate"):
+            rates = [m[kind]["tokens_per_s"] for m in measured]
+            summary[tool][kind] = {"tokens": measured[0][kind]["tokens"], "tokens_per_s": statistics.mean(rates),
+                                   "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+    return summary
 
 
 def print_tables(rows: list[dict], speeds: list[dict]) -> None:
