@@ -132,3 +132,17 @@ def test_recipe_rules_follow_llama_cpp():
     assert recipe("Q4_0").type_for(TensorRole("ffn_down", 0, 30, 1536), imatrix=True).name == "Q4_1"
     with pytest.raises(PaperbackError, match="unknown llama.cpp recipe 'Q4_K_Q'"):
         recipe("Q4_K_Q")
+
+
+@pytest.mark.parametrize("name", QUANTIZED_TYPES)
+def test_searching_rows_in_pieces_gives_the_same_grid(name, monkeypatch):
+    from paperback.quantization import gguf_search
+
+    weight = torch.randn(100, 512, generator=torch.Generator().manual_seed(3)) * 0.02
+    importance = torch.rand(512, generator=torch.Generator().manual_seed(4))
+    whole = quantize_gguf(weight, GGUF_TYPES[name], importance)
+    monkeypatch.setattr(gguf_search, "SEARCH_ELEMENTS", 512 * 7)  # pieces of 7 rows, the last one shorter
+    pieces = quantize_gguf(weight, GGUF_TYPES[name], importance)
+    for field in ("codes", "d", "dmin", "scales", "mins"):
+        a, b = getattr(whole, field), getattr(pieces, field)
+        assert (a is None and b is None) or torch.equal(a, b), field
