@@ -247,6 +247,7 @@ class GGUFFit:
         summary = write_weights(lm, {p: cells.quantized(p, t) for p, t in chosen.items()}, out, record,
                                 self.progress)
         if budget.file_bytes is not None and summary["bytes"] > budget.file_bytes:
+            out.unlink()  # a file over the size asked for is not the fit: leave nothing behind
             raise PaperbackError(f"the written file has {summary['bytes']:,} bytes, over the {budget.file_bytes:,} "
                                  "asked for: the estimate of its metadata was short (a bug: please report it)")
         self.seconds["write"] = time.perf_counter() - t0
