@@ -3,7 +3,9 @@
 Each weight may take any GGUF type that tiles its rows. Every (tensor, type) cell is quantized from the
 full model's inputs on the calibration windows (allocate.gguf_cells) and priced as the KL it adds alone
 (allocate.gguf_prices, cached per model, text and settings, so fitting another size is a solve and a
-write); the exact solve (allocate.solver) then picks one type per tensor within the budget. The solution
+write); the exact solve (allocate.solver) then picks one type per tensor within the budget and, where
+llama-bench is at hand, no slower in llama.cpp on this CPU than the recipe it is measured against (each
+type's speed measured by llama-bench itself, allocate.gguf_speed; cached per CPU). The solution
 and the llama.cpp recipe of the nearest size below the budget, quantized by the same method, are measured
 whole on windows the prices never read; the lower KL is written (the report says which). The file is
 evaluated where it is read back, on the part of the text after the profiled span.
@@ -25,6 +27,7 @@ import torch
 from paperback.allocate.gguf_budget import GGUFBudget, candidate_types, gguf_budget, tensor_candidates
 from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
 from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, exact_types, price_cells
+from paperback.allocate.gguf_speed import PHASES, SpeedSettings, SpeedTable, measure_speed
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.solver import Group, Option, solve
 from paperback.errors import DatasetError, PaperbackError
@@ -123,11 +126,13 @@ class GGUFFit:
 
     def __init__(self, spec: str | None, config: GGUFFitConfig, out: Path, size: int | None = None,
                  size_of: str | None = None, overwrite: bool = False, cache_dir: Path | None = None,
-                 progress: bool = True):
+                 progress: bool = True, llama_bench: Path | None = None, speed: SpeedSettings | None = None):
         from paperback.evaluation.datasets import load_text
         from paperback.loading.gguf_file import GGUFModelFile
 
         self.spec, self.config, self.progress, self.overwrite = spec, config, progress, overwrite
+        # No slower than the recipe: needs llama-bench (None: the speed is not constrained, and the result says so)
+        self.llama_bench, self.speed = llama_bench, speed or SpeedSettings()
         self.out = self._checked_output(out)
         self.source = source_gguf(spec)
         self.source_file = GGUFModelFile(self.source)  # metadata only: no tensor is read
@@ -222,12 +227,14 @@ class GGUFFit:
         cfg = self.config
         lm, cells, prices, held_out = self._prepare()
         model = lm.model
-        types, predicted = self._solve(prices, budget)
-        t0 = time.perf_counter()
         baseline = baseline_recipe(self.model_config, budget, self.kinds)
+        baseline_types = gguf_types_for(self.model_config, recipe(baseline)) if baseline is not None else None
+        table = self._speed_table(lm)
+        types, predicted = self._solve(prices, budget, table, baseline_types)
+        t0 = time.perf_counter()
         contenders = {"fit": types}
         if baseline is not None:
-            contenders[baseline] = gguf_types_for(self.model_config, recipe(baseline))
+            contenders[baseline] = baseline_types
         self._stage(f"measuring the solution{f' and {baseline}' if baseline else ''} whole on "
                     f"{cfg.check_windows} other windows")
         check = ReferenceProbe(model, calibration_batch(lm.tokenizer, cfg.check()))
@@ -265,15 +272,52 @@ class GGUFFit:
                 "estimate_check": {k: v for k, v in prices["check"].items() if k != "points"},
                 "exact_types": exact_types(prices),
                 "quality": quality, "prices": prices["path"], "seconds": dict(self.seconds),
-                "config": cfg.to_dict()}
+                "speed": self._speed_report(table, contenders, written, baseline), "config": cfg.to_dict()}
 
-    def _solve(self, prices: dict, budget: GGUFBudget) -> tuple[dict[str, GGUFType], float]:
+    def _speed_table(self, lm) -> SpeedTable | None:
+        """llama.cpp's speed of every priced type on this CPU (measured once, cached); None without llama-bench."""
+        if self.llama_bench is None:
+            return None
+        if "speed" not in self._shared:
+            t0 = time.perf_counter()
+            kinds = tuple(GGUF_TYPES[n] for n in sorted({k.name for ks in self.priced.values() for k in ks}))
+            self._shared["speed"] = measure_speed(lm, kinds, self.llama_bench, self.speed, progress=self.progress)
+            self.seconds["speed"] = time.perf_counter() - t0
+        return self._shared["speed"]
+
+    def _speed_report(self, table: SpeedTable | None, contenders: dict, written: str, baseline: str | None) -> dict:
+        if table is None:
+            return {"constrained": False, "why": "no llama-bench (give --llama-bench PATH or put it on PATH): "
+                                                 "the fit may run slower in llama.cpp than the recipe"}
+        shapes = weight_shapes(self.model_config)
+        predicted = {name: {phase: 1 / s for phase, s in table.seconds(types, shapes).items()}
+                     for name, types in contenders.items()}
+        return {"constrained": baseline is not None, "against": baseline,
+                "why": None if baseline is not None else "no llama.cpp recipe fits the budget to hold it to",
+                "predicted_tokens_per_s": predicted, "written": written,
+                "llama_bench": table.measured.get("llama_bench_path"), "cpu": table.measured.get("cpu"),
+                "threads": table.measured.get("settings", {}).get("threads")}
+
+    def _solve(self, prices: dict, budget: GGUFBudget, speed: SpeedTable | None = None,
+               baseline: dict[str, GGUFType] | None = None) -> tuple[dict[str, GGUFType], float]:
+        """The least predicted KL within the budget; with a speed table and a baseline recipe, also no slower
+        than the recipe in each phase (prompt processing, generation) by the table's prediction."""
         shapes = weight_shapes(self.model_config)
         table = costs(prices)
-        groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name])
-                                     for k in kinds)) for param, kinds in self.candidates.items()]
-        chosen = solve(groups, budget.tensor_bytes)
-        self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {budget.label}")
+        limited = speed is not None and baseline is not None
+
+        def uses(param: str, kind: GGUFType) -> tuple[float, ...]:
+            numel = shapes[param][0] * shapes[param][1]
+            return tuple(speed.cost(kind, phase) * numel for phase in PHASES) if limited else ()
+
+        groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name],
+                                            uses(param, k)) for k in kinds))
+                  for param, kinds in self.candidates.items()]
+        limits = tuple(sum(uses(p, k)[i] for p, k in baseline.items()) for i in range(len(PHASES))) if limited \
+            else ()
+        chosen = solve(groups, budget.tensor_bytes, limits)
+        self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {budget.label}"
+                    + (", no slower than its recipe by llama-bench's speeds" if limited else ""))
         return {p: GGUF_TYPES[o.label] for p, o in chosen.items()}, sum(o.cost for o in chosen.values())
 
     def _evaluate(self, lm, held_out: list[int], cells: GGUFCells, contenders: dict, written: str,

@@ -1,4 +1,5 @@
-"""The multiple-choice knapsack: one option per group, least total cost, total bytes within a capacity.
+"""The multiple-choice knapsack: one option per group, least total cost, total bytes within a capacity (and
+any other resource the options use, such as predicted seconds, within its limit).
 
 Solved exactly as a mixed-integer program (scipy's `milp`, the HiGHS
 solver): a binary x per option, one chosen per group, sum of bytes at most
@@ -23,6 +24,7 @@ class Option:
     label: str
     bytes: float
     cost: float
+    uses: tuple[float, ...] = ()  # of each further resource `solve` is given a limit for
 
 
 @dataclass(frozen=True)
@@ -44,17 +46,22 @@ def min_bytes(groups: list[Group]) -> float:
 
 def undominated(options: tuple[Option, ...]) -> list[Option]:
     """The options worth considering: none with at least the bytes and the cost of another (of equal ones, the
-    first). Dropping the rest changes no optimum, and duplicate columns make HiGHS's MIP fail numerically."""
+    first; an option that uses less of another resource is not dominated). Dropping the rest changes no optimum,
+    and duplicate columns make HiGHS's MIP fail numerically."""
+    def at_most(p: Option, o: Option) -> bool:
+        return p.bytes <= o.bytes and p.cost <= o.cost and all(a <= b for a, b in zip(p.uses, o.uses))
+
     kept = []
     for i, o in enumerate(options):
-        if not any((p.bytes <= o.bytes and p.cost <= o.cost) and (p.bytes < o.bytes or p.cost < o.cost or j < i)
+        if not any(at_most(p, o) and (p.bytes < o.bytes or p.cost < o.cost or p.uses != o.uses or j < i)
                    for j, p in enumerate(options) if j != i):
             kept.append(o)
     return kept
 
 
-def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
-    """{group name: chosen option} minimising total cost with total bytes <= capacity."""
+def solve(groups: list[Group], capacity: float, limits: tuple[float, ...] = ()) -> dict[str, Option]:
+    """{group name: chosen option} minimising total cost with total bytes <= capacity and, for each of
+    `limits`, the total of the options' `uses` at that position within it."""
     from scipy.optimize import LinearConstraint
 
     if not groups:
@@ -66,8 +73,10 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
         raise InfeasibleBudget(f"the smallest choice takes {smallest:,.0f} bytes, over the {capacity:,.0f} available")
     options = [(gi, o) for gi, g in enumerate(groups) for o in undominated(g.options)]
     scale = max(1.0, max(o.bytes for _, o in options))
-    if smallest > capacity - 1e-6 * scale:  # within the solver's tolerance: only the smallest choice fits
+    if smallest > capacity - 1e-6 * scale and not limits:  # within the solver's tolerance: only the smallest fits
         return {g.name: g.cheapest() for g in groups}
+    if any(len(o.uses) != len(limits) for _, o in options):
+        raise PaperbackError(f"every option needs its use of each of the {len(limits)} limited resources")
     n = len(options)
     raw = np.array([o.cost for _, o in options], dtype=np.float64)
     # Each group's cheapest cost is paid whatever is chosen: the same problem with only the excess over it,
@@ -82,11 +91,27 @@ def solve(groups: list[Group], capacity: float) -> dict[str, Option]:
     # about 1e-6 of its scale, so a solution may overrun the capacity by that much: it is then solved again
     # with the bound pulled in by as much. (Pulling it in from the start would rule out a choice that fills
     # the capacity exactly, such as a llama.cpp recipe's own types at that recipe's size.)
+    uses = np.array([o.uses for _, o in options], dtype=np.float64).reshape(n, len(limits))
+    use_scale = np.maximum(1e-300, np.abs(uses).max(axis=0)) if limits else np.ones(0)
+
+    def within(chosen: dict[str, Option]) -> bool:
+        return (len(chosen) == len(groups) and sum(o.bytes for o in chosen.values()) <= capacity
+                and all(sum(o.uses[k] for o in chosen.values()) <= limit + 1e-6 * use_scale[k]
+                        for k, limit in enumerate(limits)))
+
     for pull_in in (0.0, 1e-6):
         constraints = [LinearConstraint(one_per_group, 1, 1),
                        LinearConstraint(sizes[None, :] / scale, -np.inf, capacity / scale - pull_in)]
-        chosen = _solve_mip(groups, options, shifted, raw, constraints)
-        if len(chosen) == len(groups) and sum(o.bytes for o in chosen.values()) <= capacity:
+        for k, limit in enumerate(limits):
+            constraints.append(LinearConstraint(uses[:, k][None, :] / use_scale[k], -np.inf,
+                                                limit / use_scale[k] - pull_in))
+        try:
+            chosen = _solve_mip(groups, options, shifted, raw, constraints)
+        except PaperbackError:
+            if not limits:
+                raise
+            raise InfeasibleBudget("no choice fits both the bytes and the other limits") from None
+        if within(chosen):
             return chosen
     # HiGHS honours constraints to a tolerance; a solution that breaks them is not one.
     raise PaperbackError("the allocation solver returned an infeasible choice")

@@ -20,7 +20,7 @@ FORMATS = ("checkpoint", "gguf")
 CHECKPOINT_ONLY = ("memory", "context", "users", "weight_schemes", "kv_formats", "profile", "weight_tokens",
                    "additivity_samples", "measure", "weight_anchor", "check_samples", "needle_depths", "no_needles",
                    "evict", "retrieval_kl", "candidates", "even_margin", "no_head_bands", "breakdown_kl", "report")
-GGUF_ONLY = ("size", "size_of", "types")
+GGUF_ONLY = ("size", "size_of", "types", "llama_bench", "any_speed", "speed_rounds")
 
 
 def register(sub) -> None:
@@ -55,6 +55,15 @@ def register(sub) -> None:
     p.add_argument("--types", default=",".join(QUANTIZED_TYPES),
                    help="gguf: the types a tensor may take, each where it tiles the rows (default: "
                         f"{','.join(QUANTIZED_TYPES)})")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="gguf: llama.cpp's llama-bench, which times each type on this CPU so the fit is no slower "
+                        "in llama.cpp than the recipe of its size (default: llama-bench on PATH; without one the "
+                        "speed is not constrained, and the result says so)")
+    p.add_argument("--any-speed", action="store_true",
+                   help="gguf: do not hold the fit to the recipe's speed (the least KL the size allows)")
+    p.add_argument("--speed-rounds", type=int, default=3,
+                   help="gguf: rounds of llama-bench over the per-type files, each file's fastest run kept "
+                        "(default 3)")
     p.add_argument("--text", default="pydoc",
                    help="your text (file or data set name): its first half is profiled and calibrated on, the "
                         "rest is held out for evaluation (default: the Python documentation)")
@@ -202,14 +211,22 @@ def _refuse_other_format(args: argparse.Namespace) -> None:
 
 def _run_gguf(args: argparse.Namespace) -> int:
     from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
+    from paperback.allocate.gguf_speed import SpeedSettings, find_llama_bench
     from paperback.cli.serve_cmd import parse_bytes
+    from paperback.errors import PaperbackError
 
     config = GGUFFitConfig(method=args.method or "rtn", types=split_list(args.types), text=args.text,
                            calib_samples=args.calib_samples or 64, window_tokens=args.window_tokens,
                            probe_tokens=min(GGUFFitConfig.probe_tokens, args.window_tokens),
                            eval_windows=args.eval_windows, eval_context=args.eval_context or 512)
+    if args.speed_rounds < 1:
+        raise PaperbackError("--speed-rounds must be at least 1")
+    bench = None if args.any_speed else find_llama_bench(args.llama_bench)
     fit = GGUFFit(args.model, config, args.output, parse_bytes(args.size) if args.size else None, args.size_of,
-                  args.overwrite, args.cache_dir, progress=not args.json)
+                  args.overwrite, args.cache_dir, progress=not args.json, llama_bench=bench,
+                  speed=SpeedSettings(rounds=args.speed_rounds))
+    if bench is None and not args.any_speed:
+        note("no llama-bench on PATH (--llama-bench PATH): the fit is not held to its recipe's speed in llama.cpp")
     result = fit.run()
     if args.json:
         print_json(result)
@@ -228,7 +245,8 @@ def _print_gguf(result: dict) -> None:
                  ["types", ", ".join(f"{k} x{v}" for k, v in result["types"].items())],
                  ["written", "the solution" if result["written"] == "fit" else
                   f"{result['written']} (it measured lower than the solution)"],
-                 ["predicted KL of the solution", f"{result['predicted_kl']:.4g}"]])
+                 ["predicted KL of the solution", f"{result['predicted_kl']:.4g}"],
+                 ["speed in llama.cpp", _speed_line(result["speed"])]])
     q = result["quality"]
     names = [n for n in q if n != "held_out_tokens"]
     first = q[names[0]]
@@ -240,6 +258,14 @@ def _print_gguf(result: dict) -> None:
     roles = [k for k in result["layers"][0] if k != "layer"]
     print_table("types per block" + "".join(f"; {k}: {v}" for k, v in result["edges"].items()),
                 ["layer", *roles], [[row["layer"], *(row.get(r, "") for r in roles)] for row in result["layers"]])
+
+
+def _speed_line(speed: dict) -> str:
+    if not speed["constrained"]:
+        return f"not held to a recipe's: {speed['why']}"
+    fit, recipe = (speed["predicted_tokens_per_s"][k] for k in ("fit", speed["against"]))
+    return (f"held to {speed['against']}'s: predicted prompt {fit['prompt']:.0f} vs {recipe['prompt']:.0f} tok/s, "
+            f"generation {fit['generate']:.0f} vs {recipe['generate']:.0f} tok/s ({speed['threads']} threads)")
 
 
 def _mib(n: float) -> str:

@@ -169,16 +169,17 @@ FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 
 
 def write_gguf(source: Path, config, tensors: list, out: Path, progress: bool = True,
-               extra: dict[str, str] | None = None) -> dict:
+               extra: dict[str, str] | None = None, reader=None) -> dict:
     """Write `tensors` [(paperback param name, QuantizedWeight, GGUFWeight or fp32 tensor)] as the GGUF file
     `out`, with the metadata (tokenizer, chat template, architecture) of the GGUF file `source` and the string
-    fields `extra`. Written to a temporary name and renamed, so a failure leaves no partial file."""
+    fields `extra` (`reader`: `source` already opened by gguf.GGUFReader, for several files from one source).
+    Written to a temporary name and renamed, so a failure leaves no partial file."""
     import gguf
     from tqdm.auto import tqdm
 
     from paperback.loading.weight_names import GGUF_ARCHS, GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES
 
-    reader = gguf.GGUFReader(source)
+    reader = reader or gguf.GGUFReader(source)
     arch_name = str(reader.fields["general.architecture"].contents())
     arch = GGUF_ARCHS[arch_name]
     to_gguf = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}

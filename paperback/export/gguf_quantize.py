@@ -104,9 +104,10 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
     return write_weights(lm, results, out, record, progress)
 
 
-def write_weights(lm, weights: dict, out: Path, record: dict, progress: bool = True) -> dict:
+def write_weights(lm, weights: dict, out: Path, record: dict, progress: bool = True, reader=None) -> dict:
     """Write `lm` as the GGUF file `out` with `weights` ({param: GGUFWeight}) in place of its own (every other
-    tensor at F32), the metadata of the GGUF file it came from, and `record` under `paperback.recipe`."""
+    tensor at F32), the metadata of the GGUF file it came from (`reader`: that file opened, see write_gguf), and
+    `record` under `paperback.recipe`."""
     from paperback.export.gguf_export import write_gguf
 
     tensors = []
@@ -117,6 +118,6 @@ def write_weights(lm, weights: dict, out: Path, record: dict, progress: bool = T
         seen.add(param.data_ptr())
         tensors.append((name, weights.get(name, param.detach().float())))
     summary = write_gguf(Path(lm.source.path), lm.config, tensors, out, progress,
-                         extra={"paperback.recipe": json.dumps(record, sort_keys=True)})
+                         extra={"paperback.recipe": json.dumps(record, sort_keys=True)}, reader=reader)
     summary["tensor_bytes"] = sum(w.storage_bytes() for w in weights.values())
     return summary

@@ -79,3 +79,45 @@ def test_a_choice_that_fills_the_capacity_exactly_is_taken():
     chosen = solve(groups, capacity)
     assert all(o.label == "exact" for o in chosen.values())
     assert sum(o.bytes for o in chosen.values()) == capacity
+
+
+def brute_force_limited(groups, capacity, limits):
+    best = None
+    for combo in itertools.product(*(g.options for g in groups)):
+        if sum(o.bytes for o in combo) > capacity:
+            continue
+        if any(sum(o.uses[k] for o in combo) > limit + 1e-12 for k, limit in enumerate(limits)):
+            continue
+        cost = sum(o.cost for o in combo)
+        if best is None or cost < best - 1e-12:
+            best = cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_further_limits_are_honoured_exactly(seed):
+    # A GGUF fit's speed constraint: each option also takes (signed) seconds, and the total must stay within
+    # the recipe's. Checked against every combination.
+    rng = random.Random(100 + seed)
+    groups = [Group(f"g{g}", tuple(Option(f"o{o}", rng.randint(1, 50), rng.random(),
+                                          (rng.uniform(-1, 1), rng.uniform(-1, 1)))
+                                   for o in range(rng.randint(2, 4)))) for g in range(rng.randint(2, 5))]
+    capacity = sum(max(o.bytes for o in g.options) for g in groups) * rng.uniform(0.5, 1.0)
+    reference = [g.options[0] for g in groups]  # a feasible "recipe": its own uses are the limits
+    limits = tuple(sum(o.uses[k] for o in reference) for k in range(2))
+    capacity = max(capacity, sum(o.bytes for o in reference))
+    chosen = solve(groups, capacity, limits)
+    assert sum(o.bytes for o in chosen.values()) <= capacity
+    for k, limit in enumerate(limits):
+        assert sum(o.uses[k] for o in chosen.values()) <= limit + 1e-6
+    assert sum(o.cost for o in chosen.values()) == pytest.approx(brute_force_limited(groups, capacity, limits),
+                                                                 abs=1e-9)
+
+
+def test_an_option_dominated_in_bytes_and_cost_but_faster_is_kept():
+    options = (Option("slow", 10, 1.0, (5.0,)), Option("fast", 12, 1.5, (1.0,)))
+    assert [o.label for o in undominated(options)] == ["slow", "fast"]
+    chosen = solve([Group("x", options)], 20, limits=(2.0,))
+    assert chosen["x"].label == "fast"
+    with pytest.raises(InfeasibleBudget):
+        solve([Group("x", options)], 20, limits=(0.5,))
