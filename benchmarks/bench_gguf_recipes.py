@@ -8,14 +8,16 @@ written out as text), then for each recipe:
 
 - llama.cpp: `llama-quantize` from the F32 reference, without and with that importance matrix;
 - paperback fit: `paperback fit --format gguf --size-of RECIPE` (per-tensor types chosen by the exact solve
-  over measured KL, at the recipe's bytes), by each method of --fits;
+  over measured KL, at the recipe's bytes, held to the recipe's speed by llama-bench's timing of each type
+  unless --any-speed), by each method of --fits;
 - paperback at the recipe's types (--methods): the same types as llama-quantize, quantized by paperback's
   methods on the same calibration, to separate the quantizer from the allocation.
 
 Every file is scored by `llama-perplexity --kl-divergence` against the F32 reference on WikiText-2 and PTB
 (never calibrated or priced on): mean KLD, perplexity, same-top-token rate, and its bytes. `--speed` runs
 `llama-bench` (prompt 512, 128 generated) on each fitted file and the imatrix recipe file of its size, the
-files in turn for --speed-rounds rounds. Needs llama.cpp's tools (`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes
+files in turn for --speed-rounds rounds: mean, fastest, and the median over rounds of each file's rate over
+the recipe's in the same round. Needs llama.cpp's tools (`bash benchmarks/peers/setup_llamacpp_tools.sh`). Writes
 benchmarks/results/gguf_recipes.json and a plot of KLD against file size (gguf_recipes.png).
 """
 
@@ -55,7 +57,7 @@ def fit_row(fit, recipe: str, out: Path) -> dict:
     t0 = time.perf_counter()
     result = fit.run_budget(fit.budget_of(size_of=recipe), out)
     keep = ("written", "baseline", "predicted_kl", "measured_kl", "types", "edges", "exact_types",
-            "estimate_check", "quality", "bytes")
+            "estimate_check", "quality", "bytes", "speed")
     return {**{k: result[k] for k in keep}, "candidates": list(fit.config.types), "seconds": time.perf_counter() - t0}
 
 
@@ -77,6 +79,8 @@ def run() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speed", action="store_true", help="llama-bench each fit against the imatrix recipe")
     parser.add_argument("--speed-rounds", type=int, default=5, help="rounds of llama-bench, the files in turn")
+    parser.add_argument("--any-speed", action="store_true",
+                        help="fit without holding the file to its recipe's speed in llama.cpp")
     parser.add_argument("--recompute", action="store_true", help="remake every file instead of reusing it")
     parser.add_argument("--replot", action="store_true", help="print the tables and redraw the plot from the JSON")
     add_tag_arg(parser)
@@ -89,6 +93,7 @@ def run() -> int:
         return 0
 
     from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
+    from paperback.allocate.gguf_speed import SpeedSettings
     from paperback.export.gguf_quantize import quantize_to_gguf, uniform_types
     from paperback.loading import load_model
     from paperback.quantization.calibration import calibration_batch
@@ -133,7 +138,9 @@ def run() -> int:
                 files[(recipe, f"paperback {method}, recipe's types")] = out
         for method in args.fits:
             fit = GGUFFit(model, GGUFFitConfig(method=method, calib_samples=args.calib_samples),
-                          work / "fit.gguf", size_of=args.recipes[0], overwrite=True)
+                          work / "fit.gguf", size_of=args.recipes[0], overwrite=True,
+                          llama_bench=None if args.any_speed else llamacpp_tools.tool("llama-bench"),
+                          speed=SpeedSettings(threads=args.threads))
             variants = {f"paperback fit ({method})": fit}
             exact = fit.exact_types() if args.blind else {}
             if exact:
@@ -150,11 +157,12 @@ def run() -> int:
             for recipe in args.recipes:
                 timed = {tool: path for (r, tool), path in files.items()
                          if r == recipe and (tool == IMATRIX or tool.startswith("paperback fit"))}
-                for tool, measured in interleaved_speed(timed, args.threads, args.speed_rounds).items():
+                for tool, measured in interleaved_speed(timed, args.threads, args.speed_rounds, IMATRIX).items():
                     speeds.append({"model": model, "recipe": recipe, "tool": tool,
                                    "bytes": timed[tool].stat().st_size, **measured})
-                    print(f"{model} {recipe} {tool:40} prompt {measured['prompt']['tokens_per_s']:.1f} t/s, "
-                          f"generate {measured['generate']['tokens_per_s']:.1f} t/s", flush=True)
+                    print(f"{model} {recipe} {tool:40} prompt {measured['prompt']['tokens_per_s']:.1f} t/s "
+                          f"({measured['prompt']['ratio']:.3f}x), generate {measured['generate']['tokens_per_s']:.1f}"
+                          f" t/s ({measured['generate']['ratio']:.3f}x)", flush=True)
         for text in args.texts:
             base = work / f"base-{text}-{args.chunks}.kld"
             ref = llamacpp_tools.kld_base(reference, data / TEXTS[text], base, 512, args.chunks, args.threads)
@@ -175,9 +183,10 @@ def run() -> int:
     return 0
 
 
-def interleaved_speed(files: dict[str, Path], threads: int, rounds: int) -> dict[str, dict]:
+def interleaved_speed(files: dict[str, Path], threads: int, rounds: int, against: str) -> dict[str, dict]:
     """llama-bench on each file once per round, the files in turn, so a drift of the machine's speed (seen to
-    move one file's prompt rate by 20% within a run) falls on all of them alike; mean and spread over rounds."""
+    move one file's prompt rate by 20% within a run) falls on all of them alike: mean, spread and fastest over
+    rounds, and `ratio`, the median over rounds of the file's rate over file `against`'s in the same round."""
     import statistics
 
     runs: dict[str, list[dict]] = {tool: [] for tool in files}
@@ -189,8 +198,11 @@ def interleaved_speed(files: dict[str, Path], threads: int, rounds: int) -> dict
         summary[tool] = {"rounds": rounds, "threads": threads, "repack": all(m["repack"] for m in measured)}
         for kind in ("prompt", "generate"):
             rates = [m[kind]["tokens_per_s"] for m in measured]
+            theirs = [m[kind]["tokens_per_s"] for m in runs[against]]
             summary[tool][kind] = {"tokens": measured[0][kind]["tokens"], "tokens_per_s": statistics.mean(rates),
-                                   "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+                                   "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+                                   "fastest": max(rates), "per_round": rates,
+                                   "ratio": statistics.median(a / b for a, b in zip(rates, theirs))}
     return summary
 
 
@@ -205,10 +217,13 @@ def print_tables(rows: list[dict], speeds: list[dict]) -> None:
             "-" if t not in cells else (f"**{cells[t]['kld']:.4f}**" if cells[t]["kld"] == best else
                                         f"{cells[t]['kld']:.4f}") for t in tools) + " |")
     if speeds:
-        print("\n| model | recipe | file | prompt 512 t/s | generate 128 t/s |\n|---|---|---|---|---|")
+        print("\n| model | recipe | file | prompt 512 t/s | ratio | generate 128 t/s | ratio |\n"
+              "|---|---|---|---|---|---|---|")
         for s in speeds:
-            print(f"| {s['model']} | {s['recipe']} | {s['tool']} | {s['prompt']['tokens_per_s']:.1f} ± "
-                  f"{s['prompt']['stddev']:.1f} | {s['generate']['tokens_per_s']:.1f} ± {s['generate']['stddev']:.1f} |")
+            p, g = s["prompt"], s["generate"]
+            print(f"| {s['model']} | {s['recipe']} | {s['tool']} | {p['tokens_per_s']:.1f} ± {p['stddev']:.1f} | "
+                  f"{p.get('ratio', float('nan')):.3f} | {g['tokens_per_s']:.1f} ± {g['stddev']:.1f} | "
+                  f"{g.get('ratio', float('nan')):.3f} |")
 
 
 def plot(rows: list[dict], out: Path) -> None:

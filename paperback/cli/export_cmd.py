@@ -59,6 +59,15 @@ def run(args: argparse.Namespace) -> int:
                      ["schemes", ", ".join(f"{n} {s}" for s, n in summary["schemes"].items())],
                      ["written dense", ", ".join(summary["dense"]) or "-"],
                      ["KV cache", summary["kv_cache"] or "-"], ["bytes", f"{summary['bytes']:,}"]])
+        vllm = summary.get("vllm")
+        if vllm is not None:
+            for line in vllm["blockers"]:
+                note(f"vLLM cannot load this: {line}")
+            for line in vllm["notes"]:
+                note(f"vLLM: {line}")
+            if vllm["loads"]:
+                note(f"vLLM: --tensor-parallel-size {' or '.join(map(str, vllm['tensor_parallel_sizes']))} splits "
+                     "its heads and groups evenly")
         note(f"vLLM: vllm serve {args.output}; transformers: AutoModelForCausalLM.from_pretrained('{args.output}')"
              + (" with the compressed-tensors package installed" if args.format == "compressed-tensors" else ""))
         return 0

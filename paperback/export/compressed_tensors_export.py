@@ -48,8 +48,9 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(rows, cols) codes in [0, 2^bits) -> int32 (rows, ceil(cols x bits / 32)), element j at bit j x bits."""
     packed = pack_codes(codes.to(torch.uint8), bits)
     words = math.ceil(codes.shape[1] * bits / 32)
-    packed = torch.nn.functional.pad(packed, (0, 4 * words - packed.shape[1]))
-    return packed.contiguous().view(torch.int32)  # little-endian: byte 0 is the low byte of word 0
+    padded = torch.zeros(packed.shape[0], 4 * words, dtype=torch.uint8)  # fresh strides: a one-row tensor's
+    padded[:, :packed.shape[1]] = packed  # may carry a leading stride of 1, which view() refuses
+    return padded.view(torch.int32)  # little-endian: byte 0 is the low byte of word 0
 
 
 def quantization_args(scheme: QuantScheme) -> dict:
@@ -106,7 +107,9 @@ def ct_config(by_scheme: dict[QuantScheme, list[str]], ignore: list[str]) -> dic
     modules (a fitted checkpoint's mix)."""
     if len(by_scheme) == 1:
         scheme, = by_scheme
-        groups = {"group_0": {"targets": ["Linear"], "weights": quantization_args(scheme),
+        # A packed lm_head is named as well: vLLM matches its head (not a Linear class) only by name.
+        named_head = ["lm_head"] if "lm_head" in by_scheme[scheme] else []
+        groups = {"group_0": {"targets": ["Linear", *named_head], "weights": quantization_args(scheme),
                               "input_activations": None, "output_activations": None}}
     else:
         groups = {f"group_{i}": {"targets": sorted(names), "weights": quantization_args(scheme),
@@ -122,6 +125,8 @@ def export_compressed_tensors(checkpoint: Path, out_dir: Path, dtype: str = "flo
     """Write `checkpoint` as a Hugging Face directory with a compressed-tensors quantization_config."""
     from paperback.export.hf_export import HFFormat, export_hf
 
+    from paperback.export.vllm_check import vllm_findings
+
     fmt = HFFormat("compressed-tensors", check_scheme, compressed_tensors, ct_config, one_scheme=False,
-                   kv_cache=kv_cache_part)
+                   kv_cache=kv_cache_part, vllm=vllm_findings)
     return export_hf(checkpoint, out_dir, fmt, dtype, overwrite, progress)

@@ -32,6 +32,9 @@ class HFFormat:
     one_scheme: bool = True
     # (loaded checkpoint, its KV policy spec or None) -> (kv_cache_scheme, extra tensors, note); None: not held
     kv_cache: Callable | None = None
+    # (model config, {module: scheme}, {module: (out, in)}, kv_cache_scheme, KV note) -> what vLLM needs
+    # (export.vllm_check); None: not checked
+    vllm: Callable | None = None
 
 
 def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "float16", overwrite: bool = False,
@@ -102,6 +105,11 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
         kv_scheme, kv_tensors, kv_note = fmt.kv_cache(lm, policy)
         config["quantization_config"]["kv_cache_scheme"] = kv_scheme
         state.update(kv_tensors)
+    vllm = None
+    if fmt.vllm is not None:
+        schemes = {name: scheme for scheme, names in by_scheme.items() for name in names}
+        shapes = {name: (linears[name].out_features, linears[name].in_features) for name in schemes}
+        vllm = fmt.vllm(lm.config, schemes, shapes, config["quantization_config"].get("kv_cache_scheme"), kv_note)
     with atomic_directory(out_dir, overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -111,4 +119,4 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
     return {"output": str(out_dir), "format": fmt.name, "dtype": dtype,
             "schemes": {s.label: len(n) for s, n in by_scheme.items()},
             "dense": sorted(set(packed) - set(linears)), "ignore": sorted(ignore), "kv_cache": kv_note,
-            "bytes": sum(f.stat().st_size for f in out_dir.iterdir())}
+            "bytes": sum(f.stat().st_size for f in out_dir.iterdir()), **({"vllm": vllm} if vllm else {})}

@@ -42,7 +42,7 @@ def library_decompressed(out):
     weights = {}
     for module in {k.rsplit(".", 1)[0] for k in state if k.endswith(".weight_packed")}:
         group = next(g for g in config["config_groups"].values()
-                     if g["targets"] == ["Linear"] or module in g["targets"])
+                     if "Linear" in g["targets"] or module in g["targets"])
         scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
         local = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == module}
         weights[module] = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
@@ -201,3 +201,88 @@ def test_calibrated_fp8_scales_are_the_layers_largest_values_over_448(tmp_path, 
     for i in (0, 29):
         assert state[f"model.layers.{i}.self_attn.k_scale"].item() == pytest.approx(amax[i][0].max().item() / 448)
         assert state[f"model.layers.{i}.self_attn.v_scale"].item() == pytest.approx(amax[i][1].max().item() / 448)
+
+
+def mixed_checkpoint(tmp_path, schemes: dict[str, QuantScheme], tied=True, intermediate_size=256):
+    """A tiny checkpoint whose block linears take `schemes` ({"0.self_attn.q_proj": scheme, ...}, the rest W8s-ch),
+    as a fit's units leave them: one scheme per unit, schemes differing between units and layers."""
+    from helpers import tiny_llama_hf, write_llama_gguf
+    from paperback.quantization.checkpoint import save_checkpoint, swap_in_quantized
+    from paperback.quantization.model_pass import (EMBED_PARAM, HEAD_PARAM, QuantizeConfig, parse_targets,
+                                                   quantize_model)
+
+    hf = tiny_llama_hf(num_hidden_layers=2, hidden_size=128, intermediate_size=intermediate_size,
+                       tie_word_embeddings=tied)
+    source = write_llama_gguf(hf, tmp_path / "tiny.gguf")
+    lm = load_model(str(source), with_tokenizer=False)
+    w8 = QuantScheme(8, None, True)
+    layer_schemes = {f"model.layers.{k}.weight": s for k, s in schemes.items()}
+    layer_schemes.update({EMBED_PARAM: w8, HEAD_PARAM: w8})
+    config = QuantizeConfig("rtn", w8, targets=parse_targets("blocks,embed,head"), layer_schemes=layer_schemes)
+    results = quantize_model(lm.model, config, progress=False)
+    swap_in_quantized(lm.model, results)
+    recipe = {"source_model": str(source), "layers": {n: {"scheme": q.scheme.to_dict()} for n, q in results.items()}}
+    return save_checkpoint(lm.model, None, recipe, tmp_path / "ckpt")
+
+
+def unit_schemes(by_unit: dict[tuple[int, str], QuantScheme]) -> dict[str, QuantScheme]:
+    units = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    return {f"{layer}.{linear}": scheme for (layer, unit), scheme in by_unit.items() for linear in units[unit]}
+
+
+W4S32, W4S64, W8S, W4A64 = QuantScheme(4, 32, True), QuantScheme(4, 64, True), QuantScheme(8, None, True), \
+    QuantScheme(4, 64)
+FIT_LIKE = unit_schemes({(0, "qkv"): W4S32, (0, "o"): W8S, (0, "gate_up"): W4S64, (0, "down"): W8S,
+                         (1, "qkv"): W8S, (1, "o"): W4S32, (1, "gate_up"): W8S, (1, "down"): W4A64})
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_mixed_fit_exports_one_group_per_scheme_read_bit_for_bit(tmp_path, symmetric):
+    schemes = FIT_LIKE if not symmetric else {k: (W4S64 if s == W4A64 else s) for k, s in FIT_LIKE.items()}
+    ckpt = mixed_checkpoint(tmp_path, schemes)
+    out = tmp_path / "ct"
+    summary = export_compressed_tensors(ckpt, out, "float32", progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = {json.dumps(g["weights"], sort_keys=True): g["targets"] for g in config["config_groups"].values()}
+    assert len(groups) == len(set(schemes.values()))  # one group per scheme, its modules named explicitly
+    for key, scheme in schemes.items():
+        module = f"model.layers.{key}"
+        owners = [targets for targets in groups.values() if module in targets]
+        assert len(owners) == 1, module
+    # The library's own decompressor reads every packed module as paperback's weight, bit for bit.
+    paperback = load_model(str(ckpt), with_tokenizer=False).model
+    decompressed = library_decompressed(out)
+    assert set(decompressed) == {f"model.layers.{k}" for k in schemes}
+    for module, weight in decompressed.items():
+        assert torch.equal(weight, paperback.get_submodule(module).dequantized_weight()), module
+    # transformers runs a symmetric mix packed (its dequantizing path takes one scheme for every layer, and
+    # its packed path expects zero points unpacked: an asymmetric mix loads in neither).
+    if symmetric:
+        ids = torch.randint(0, 256, (2, 24))
+        with torch.no_grad():
+            mine = paperback(ids)
+        assert torch.allclose(transformers_logits(out, ids, False), mine, atol=1e-5, rtol=1e-5)
+    # What vLLM needs: 4 or 8 bits, Marlin's groups, q/k/v and gate/up each sharing a scheme: all met here.
+    vllm = summary["vllm"]
+    assert vllm["loads"] and not vllm["blockers"]
+    # 4 heads (2 KV heads, replicated at 4); o_proj's 128 inputs and down_proj's 256 split into whole groups
+    assert vllm["tensor_parallel_sizes"] == [1, 2, 4]
+    assert any("CPU backend runs 4-bit layers only" in n for n in vllm["notes"])
+
+
+def test_what_vllm_cannot_load_is_named(tmp_path, capsys):
+    split = {**FIT_LIKE, "0.self_attn.k_proj": W8S, "1.self_attn.o_proj": QuantScheme(2, 32, True),
+             "1.mlp.down_proj": QuantScheme(8, None)}
+    ckpt = mixed_checkpoint(tmp_path, split, intermediate_size=160)  # down_proj: 160 inputs, not a multiple of 64
+    assert main(["export", str(ckpt), "--format", "compressed-tensors", "--dtype", "float32", "-o",
+                 str(tmp_path / "ct")]) == 0
+    err = " ".join(capsys.readouterr().err.split())  # as printed, wrapped to the terminal
+    assert "vLLM cannot load this: model.layers.0.self_attn.qkv_proj mixes schemes across its shards" in err
+    assert "W2s-g32: vLLM's kernels run 4 and 8 bits" in err
+    assert "model.layers.1.mlp.down_proj is W8a-ch: 8-bit zero points run only on Machete" in err
+    assert "(here 160 -> 128)" in err
+    # the export itself is still correct for the compressed-tensors package
+    decompressed = library_decompressed(tmp_path / "ct")
+    paperback = load_model(str(ckpt), with_tokenizer=False).model
+    assert all(torch.equal(w, paperback.get_submodule(m).dequantized_weight()) for m, w in decompressed.items())
