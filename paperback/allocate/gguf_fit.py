@@ -29,7 +29,7 @@ from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
 from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, exact_types, price_cells
 from paperback.allocate.gguf_speed import PHASES, SpeedSettings, SpeedTable, measure_speed
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
-from paperback.allocate.solver import Group, Option, solve
+from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
 from paperback.errors import DatasetError, PaperbackError
 from paperback.export.gguf_quantize import ROLES, gguf_types_for, tensor_bytes, weight_shapes
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
@@ -229,8 +229,11 @@ class GGUFFit:
         model = lm.model
         baseline = baseline_recipe(self.model_config, budget, self.kinds)
         baseline_types = gguf_types_for(self.model_config, recipe(baseline)) if baseline is not None else None
+        # The speed to match is that of the recipe of this size, even one using types the fit may not take
+        paced = baseline_recipe(self.model_config, budget, tuple(GGUF_TYPES.values()))
         table = self._speed_table(lm)
-        types, predicted = self._solve(prices, budget, table, baseline_types)
+        types, predicted = self._solve(prices, budget, table,
+                                       gguf_types_for(self.model_config, recipe(paced)) if paced else None, paced)
         t0 = time.perf_counter()
         contenders = {"fit": types}
         if baseline is not None:
@@ -272,7 +275,7 @@ class GGUFFit:
                 "estimate_check": {k: v for k, v in prices["check"].items() if k != "points"},
                 "exact_types": exact_types(prices),
                 "quality": quality, "prices": prices["path"], "seconds": dict(self.seconds),
-                "speed": self._speed_report(table, contenders, written, baseline), "config": cfg.to_dict()}
+                "speed": self._speed_report(table, contenders, written, paced), "config": cfg.to_dict()}
 
     def _speed_table(self, lm) -> SpeedTable | None:
         """llama.cpp's speed of every priced type on this CPU (measured once, cached); None without llama-bench."""
@@ -290,6 +293,8 @@ class GGUFFit:
             return {"constrained": False, "why": "no llama-bench (give --llama-bench PATH or put it on PATH): "
                                                  "the fit may run slower in llama.cpp than the recipe"}
         shapes = weight_shapes(self.model_config)
+        if baseline is not None and baseline not in contenders:
+            contenders = {**contenders, baseline: gguf_types_for(self.model_config, recipe(baseline))}
         predicted = {name: {phase: 1 / s for phase, s in table.seconds(types, shapes).items()}
                      for name, types in contenders.items()}
         return {"constrained": baseline is not None, "against": baseline,
@@ -299,7 +304,8 @@ class GGUFFit:
                 "threads": table.measured.get("settings", {}).get("threads")}
 
     def _solve(self, prices: dict, budget: GGUFBudget, speed: SpeedTable | None = None,
-               baseline: dict[str, GGUFType] | None = None) -> tuple[dict[str, GGUFType], float]:
+               baseline: dict[str, GGUFType] | None = None, baseline_name: str | None = None
+               ) -> tuple[dict[str, GGUFType], float]:
         """The least predicted KL within the budget; with a speed table and a baseline recipe, also no slower
         than the recipe in each phase (prompt processing, generation) by the table's prediction."""
         shapes = weight_shapes(self.model_config)
@@ -315,7 +321,14 @@ class GGUFFit:
                   for param, kinds in self.candidates.items()]
         limits = tuple(sum(uses(p, k)[i] for p, k in baseline.items()) for i in range(len(PHASES))) if limited \
             else ()
-        chosen = solve(groups, budget.tensor_bytes, limits)
+        try:
+            chosen = solve(groups, budget.tensor_bytes, limits)
+        except InfeasibleBudget:
+            if not limited:
+                raise
+            raise PaperbackError(f"no mix of {', '.join(k.name for k in self.kinds)} within {budget.label} runs as "
+                                 f"fast in llama.cpp as {baseline_name} (by llama-bench's timing of each type on "
+                                 "this CPU): allow more types, or pass --any-speed") from None
         self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {budget.label}"
                     + (", no slower than its recipe by llama-bench's speeds" if limited else ""))
         return {p: GGUF_TYPES[o.label] for p, o in chosen.items()}, sum(o.cost for o in chosen.values())

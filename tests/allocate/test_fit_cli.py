@@ -177,3 +177,31 @@ def test_demo_fits_the_default_model_from_its_shipped_profile(tmp_path, capsys):
     assert fit["allocation"]["total_bytes"] <= 2 ** 30
     assert fit["quality"]["eval"]["kl_divergence"] < 0.05 and (out / "report.html").exists()
     assert "the full model beside the fitted one" in capsys.readouterr().out
+
+
+def test_a_fit_with_vllms_schemes_exports_as_compressed_tensors_it_can_load(tiny_dir, tmp_path, capsys):
+    """A fit whose candidates are schemes vLLM's kernels run, exported: one config group per scheme the fit
+    chose, every module where its unit put it, and nothing the vLLM check would block."""
+    from paperback.export.compressed_tensors_export import export_compressed_tensors
+
+    out = tmp_path / "fitted"
+    schemes = "W8s-ch,W4s-g64,W4a-g32"
+    argv = ["fit", str(tiny_dir), "-o", str(out), "--memory", "379.5MiB", "--context", "256", "--users", "2",
+            "--cache-dir", str(tmp_path / "cache"), "--eval-context", "128", "--eval-windows", "1",
+            "--method", "rtn", "--weight-schemes", schemes, "--kv-formats", "fp16,fp8", "--window-tokens", "128",
+            "--weight-tokens", "64", "--additivity-samples", "3", "--no-needles", "--no-head-bands", "--json"]
+    assert main(argv) == 0
+    chosen = json.loads(capsys.readouterr().out)["allocation"]["weights"]
+    summary = export_compressed_tensors(out, tmp_path / "ct", "float32", progress=False)
+    assert summary["vllm"]["loads"], summary["vllm"]
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    blocks = {label for unit, label in chosen.items() if unit != "head"}
+    assert len(blocks) > 1, chosen  # a mix: the budget sits between all-W4 and all-W8
+    assert {s for s in summary["schemes"]} == blocks
+    assert len(config["config_groups"]) == len(blocks)
+    recipe = json.loads((out / "recipe.json").read_text())
+    for group in config["config_groups"].values():
+        for module in group["targets"]:
+            if module != "Linear":
+                bits = recipe["layers"][f"{module}.weight"]["scheme"]["bits"]
+                assert group["weights"]["num_bits"] == bits

@@ -123,6 +123,17 @@ def test_a_fit_held_to_its_recipes_speed_is_predicted_no_slower(fitted, tmp_path
         assert mine[phase] <= theirs[phase] * (1 + 1e-9)
     assert result["predicted_kl"] >= free["predicted_kl"]  # the speed is paid for in KL, never the reverse
     assert free["speed"] == {"constrained": False, "why": free["speed"]["why"]} and "llama-bench" in free["speed"]["why"]
+    # A fit that may not take the recipe's own types is still held to that recipe's speed (it is not measured
+    # against the recipe's KL: it could never write it).
+    with pytest.raises(PaperbackError, match="no mix of Q5_0, Q8_0, Q4_K within the size of Q4_0 .* runs as fast"):
+        slow = held.restricted(("Q5_0", "Q8_0", "Q4_K"))  # every one slower than Q4_0 at prompts, by COSTS
+        slow.run_budget(slow.budget_of(size_of="Q4_0"), tmp_path / "slow.gguf")
+    assert not (tmp_path / "slow.gguf").exists()
+    narrow = held.restricted(("Q4_0", "Q4_K", "Q5_0", "Q6_K"))  # not the recipe's Q8_0 (for the embedding)
+    other = narrow.run_budget(narrow.budget_of(size_of="Q4_0"), tmp_path / "narrow.gguf")
+    assert other["baseline"] is None and other["speed"]["constrained"] and other["speed"]["against"] == "Q4_0"
+    mine = table.seconds({p: GGUF_TYPES[t] for p, t in other["tensors"].items()}, shapes)
+    assert all(mine[phase] <= theirs[phase] * (1 + 1e-9) for phase in ("prompt", "generate"))
 
 
 def test_a_llama_bench_that_is_not_one_is_refused(plain_gguf, tmp_path, capsys):
