@@ -145,6 +145,8 @@ def bench_once(llama_bench: Path, model: Path, settings: SpeedSettings) -> dict[
 def measure_speed(lm, kinds: tuple[GGUFType, ...], llama_bench: Path, settings: SpeedSettings = SpeedSettings(),
                   cache_dir: Path | None = None, progress: bool = True) -> SpeedTable:
     """The speed table of `kinds` for the model of `lm` (a LoadedModel from a GGUF file), measured or cached."""
+    import gguf
+
     from paperback.export.gguf_quantize import weight_shapes
 
     shapes = weight_shapes(lm.config)
@@ -164,8 +166,6 @@ def measure_speed(lm, kinds: tuple[GGUFType, ...], llama_bench: Path, settings: 
     t0 = time.perf_counter()
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="paperback-speed-") as tmp:
-        import gguf
-
         reader = gguf.GGUFReader(lm.source.path)  # its metadata, parsed once for every file
         files = {}
         for name in names:

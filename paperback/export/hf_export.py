@@ -32,7 +32,7 @@ class HFFormat:
     one_scheme: bool = True
     # (loaded checkpoint, its KV policy spec or None) -> (kv_cache_scheme, extra tensors, note); None: not held
     kv_cache: Callable | None = None
-    # (model config, {module: scheme}, {module: (out, in)}, kv_cache_scheme, KV note) -> what vLLM needs
+    # (model config, {module: scheme}, {module: (out, in)}) -> what vLLM needs
     # (export.vllm_check); None: not checked
     vllm: Callable | None = None
 
@@ -109,7 +109,7 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
     if fmt.vllm is not None:
         schemes = {name: scheme for scheme, names in by_scheme.items() for name in names}
         shapes = {name: (linears[name].out_features, linears[name].in_features) for name in schemes}
-        vllm = fmt.vllm(lm.config, schemes, shapes, config["quantization_config"].get("kv_cache_scheme"), kv_note)
+        vllm = fmt.vllm(lm.config, schemes, shapes)
     with atomic_directory(out_dir, overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

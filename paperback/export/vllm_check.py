@@ -12,7 +12,8 @@ source: `compressed_tensors/`, `kernels/linear/`, `utils/marlin_utils.py`, mid-2
   group without checking the others: the shards must share a scheme (paperback's fits keep them together).
 - A quantized lm_head is read only by newer vLLM and only through a target naming it; a tied head is the
   embedding, which vLLM keeps dense (and the export writes dense).
-- One KV cache dtype for every layer: FP8 E4M3 with per-tensor scales, or none (--kv-cache-dtype).
+- One KV cache dtype for every layer: FP8 E4M3 with per-tensor scales, or none (the export's KV note says
+  which this checkpoint has).
 - The CPU backend runs 4 bits only (its WNA16 kernel takes uint4 with inputs and outputs % 32), not 8.
 - Tensor parallelism: the attention heads (and KV heads, unless replicated) split evenly.
 
@@ -37,8 +38,7 @@ def fused_name(module: str) -> str | None:
     return None
 
 
-def vllm_findings(config, schemes: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]],
-                  kv_scheme: dict | None, kv_note: str | None) -> dict:
+def vllm_findings(config, schemes: dict[str, QuantScheme], shapes: dict[str, tuple[int, int]]) -> dict:
     """{"loads": bool, "blockers": [...], "notes": [...], "tensor_parallel_sizes": [...]} for the packed linears
     `schemes` ({module: scheme}) with `shapes` ({module: (out, in)})."""
     blockers, notes = [], []
@@ -77,8 +77,6 @@ def vllm_findings(config, schemes: dict[str, QuantScheme], shapes: dict[str, tup
                      "(Hopper) or its Triton W4A16 fallback (4 bits)")
     if any(s.bits == 8 for s in schemes.values()):
         notes.append("vLLM's CPU backend runs 4-bit layers only: the 8-bit ones need a GPU")
-    if kv_scheme is None and kv_note and "no compressed-tensors form" in kv_note:
-        notes.append(kv_note)
     return {"loads": not blockers, "blockers": blockers, "notes": notes,
             "tensor_parallel_sizes": tensor_parallel_sizes(config, schemes, shapes)}
 
