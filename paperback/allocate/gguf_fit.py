@@ -4,8 +4,9 @@ Each weight may take any GGUF type that tiles its rows. Every (tensor, type) cel
 full model's inputs on the calibration windows (allocate.gguf_cells) and priced as the KL it adds alone
 (allocate.gguf_prices, cached per model, text and settings, so fitting another size is a solve and a
 write); the exact solve (allocate.solver) then picks one type per tensor within the budget and, where
-llama-bench is at hand, no slower in llama.cpp on this CPU than the recipe it is measured against (each
-type's speed measured by llama-bench itself, allocate.gguf_speed; cached per CPU). The solution
+llama-bench is at hand, no slower in llama.cpp on this CPU than the recipe of the size (each type's speed
+in each role measured by llama-bench itself, allocate.gguf_speed, cached per CPU; the solution then timed
+whole against the recipe, and solved again, or given up for the recipe's types, where it is slower). The solution
 and the llama.cpp recipe of the nearest size below the budget, quantized by the same method, are measured
 whole on windows the prices never read; the lower KL is written (the report says which). The file is
 evaluated where it is read back, on the part of the text after the profiled span.
@@ -27,7 +28,7 @@ import torch
 from paperback.allocate.gguf_budget import GGUFBudget, candidate_types, gguf_budget, tensor_candidates
 from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
 from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, exact_types, price_cells
-from paperback.allocate.gguf_speed import PHASES, SpeedSettings, SpeedTable, measure_speed
+from paperback.allocate.gguf_speed import PHASES, SpeedSettings, SpeedTable, measure_speed, time_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
 from paperback.errors import DatasetError, PaperbackError
@@ -39,6 +40,8 @@ from paperback.quantization.gptq import GPTQConfig
 from paperback.quantization.model_pass import HEAD_PARAM
 
 PRICES_VERSION = 1
+SPEED_ATTEMPTS = 3  # solves timed whole against the recipe before its own types are taken
+SPEED_TOLERANCE = 0.03  # slower than the recipe by at most this, as llama-bench measures the two in turns
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,19 @@ class GGUFFitConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class SlowerThanRecipe(PaperbackError):
+    """No mix of the allowed types is as fast in llama.cpp as the recipe of the size."""
+
+
+@dataclass
+class HeldSolve:
+    """A solve's answer, with the whole-file timings that checked it against the recipe's speed."""
+    types: dict[str, GGUFType]
+    predicted_kl: float
+    checks: list[dict] = field(default_factory=list)
+    fell_back: bool = False  # no solution measured as fast: the recipe's own types
 
 
 def source_gguf(spec: str | None) -> Path:
@@ -231,9 +247,9 @@ class GGUFFit:
         baseline_types = gguf_types_for(self.model_config, recipe(baseline)) if baseline is not None else None
         # The speed to match is that of the recipe of this size, even one using types the fit may not take
         paced = baseline_recipe(self.model_config, budget, tuple(GGUF_TYPES.values()))
-        table = self._speed_table(lm)
-        types, predicted = self._solve(prices, budget, table,
-                                       gguf_types_for(self.model_config, recipe(paced)) if paced else None, paced)
+        held = self._held_solve(lm, prices, budget, self._speed_table(lm), paced,
+                                baseline_types if baseline == paced else None)
+        types, predicted = held.types, held.predicted_kl
         t0 = time.perf_counter()
         contenders = {"fit": types}
         if baseline is not None:
@@ -275,7 +291,8 @@ class GGUFFit:
                 "estimate_check": {k: v for k, v in prices["check"].items() if k != "points"},
                 "exact_types": exact_types(prices),
                 "quality": quality, "prices": prices["path"], "seconds": dict(self.seconds),
-                "speed": self._speed_report(table, contenders, written, paced), "config": cfg.to_dict()}
+                "speed": self._speed_report(self._speed_table(lm), contenders, written, paced, held),
+                "config": cfg.to_dict()}
 
     def _speed_table(self, lm) -> SpeedTable | None:
         """llama.cpp's speed of every priced type on this CPU (measured once, cached); None without llama-bench."""
@@ -288,7 +305,53 @@ class GGUFFit:
             self.seconds["speed"] = time.perf_counter() - t0
         return self._shared["speed"]
 
-    def _speed_report(self, table: SpeedTable | None, contenders: dict, written: str, baseline: str | None) -> dict:
+    def _held_solve(self, lm, prices: dict, budget: GGUFBudget, table: SpeedTable | None, paced: str | None,
+                    fallback: dict[str, GGUFType] | None) -> HeldSolve:
+        """The solve held to the speed of recipe `paced`, then checked: the solution and the recipe timed whole
+        by llama-bench (zero-weight files, in turns). Where the solution measures slower than the linear model
+        said, the model's shortfall is taken off the next solve's limit; after SPEED_ATTEMPTS the recipe's own
+        types (`fallback`, where the fit may take them) are the answer, else the fit is refused."""
+        if table is None or paced is None:
+            return HeldSolve(*self._solve(prices, budget))
+        shapes = weight_shapes(self.model_config)
+        paced_types = gguf_types_for(self.model_config, recipe(paced))
+        bound = table.seconds(paced_types, shapes)  # seconds per token the solution may take, each phase
+        checks = []
+        for attempt in range(1, SPEED_ATTEMPTS + 1):
+            try:
+                types, predicted = self._solve(prices, budget, table, bound, paced)
+            except SlowerThanRecipe:
+                if attempt == 1:
+                    raise
+                break  # no mix is predicted fast enough once the model's shortfall is counted
+            if types == paced_types:
+                return HeldSolve(types, predicted, checks)
+            self._stage(f"timing the solution against {paced} whole with llama-bench ({self.speed.rounds} rounds)")
+            timed = time_assignments(lm, {"fit": types, paced: paced_types}, self.llama_bench, self.speed)
+            mine, theirs = timed["fit"]["seconds"], timed[paced]["seconds"]
+            expected = table.seconds(types, shapes)
+            ratio = {phase: theirs[phase] / mine[phase] for phase in PHASES}  # the solution's speed, recipe = 1
+            checks.append({"attempt": attempt, "types": dict(Counter(t.name for t in types.values())),
+                           "bound_seconds": dict(bound), "predicted_seconds": expected, "measured_seconds": mine,
+                           "recipe_seconds": theirs, "ratio": ratio,
+                           "tokens_per_s": {name: t["tokens_per_s"] for name, t in timed.items()}})
+            self._stage("measured " + ", ".join(f"{phase} {ratio[phase]:.3f}x" for phase in PHASES) + f" {paced}")
+            slow = [phase for phase in PHASES if ratio[phase] < 1 - SPEED_TOLERANCE]
+            if not slow:
+                return HeldSolve(types, predicted, checks)
+            # Where the model was short on this solution, hold the next one lower by as much
+            bound = {phase: min(bound[phase], theirs[phase] - (mine[phase] - expected[phase])) if phase in slow
+                     else bound[phase] for phase in PHASES}
+        if fallback is None:
+            raise SlowerThanRecipe(f"no solution within {budget.label} measured as fast in llama.cpp as {paced} "
+                                   f"({len(checks)} timed), and the types allowed cannot write {paced} itself: "
+                                   "allow its types, or pass --any-speed")
+        self._stage(f"no solution measured as fast as {paced} ({len(checks)} timed): writing its own types")
+        table_kl = costs(prices)
+        return HeldSolve(fallback, sum(table_kl[p][k.name] for p, k in fallback.items()), checks, fell_back=True)
+
+    def _speed_report(self, table: SpeedTable | None, contenders: dict, written: str, baseline: str | None,
+                      held: HeldSolve) -> dict:
         if table is None:
             return {"constrained": False, "why": "no llama-bench (give --llama-bench PATH or put it on PATH): "
                                                  "the fit may run slower in llama.cpp than the recipe"}
@@ -299,34 +362,35 @@ class GGUFFit:
                      for name, types in contenders.items()}
         return {"constrained": baseline is not None, "against": baseline,
                 "why": None if baseline is not None else "no llama.cpp recipe fits the budget to hold it to",
-                "predicted_tokens_per_s": predicted, "written": written,
+                "predicted_tokens_per_s": predicted, "written": written, "checks": held.checks,
+                "fell_back": held.fell_back, "measured_ratio": None if held.fell_back or not held.checks
+                else held.checks[-1]["ratio"],
                 "llama_bench": table.measured.get("llama_bench_path"), "cpu": table.measured.get("cpu"),
                 "threads": table.measured.get("settings", {}).get("threads")}
 
     def _solve(self, prices: dict, budget: GGUFBudget, speed: SpeedTable | None = None,
-               baseline: dict[str, GGUFType] | None = None, baseline_name: str | None = None
+               bound: dict[str, float] | None = None, baseline_name: str | None = None
                ) -> tuple[dict[str, GGUFType], float]:
-        """The least predicted KL within the budget; with a speed table and a baseline recipe, also no slower
-        than the recipe in each phase (prompt processing, generation) by the table's prediction."""
+        """The least predicted KL within the budget; with a speed table and a bound (seconds per token of each
+        phase, prompt processing and generation), also within the bound by the table's prediction."""
         shapes = weight_shapes(self.model_config)
         table = costs(prices)
-        limited = speed is not None and baseline is not None
+        limited = speed is not None and bound is not None
 
         def uses(param: str, kind: GGUFType) -> tuple[float, ...]:
             numel = shapes[param][0] * shapes[param][1]
-            return tuple(speed.cost(kind, phase) * numel for phase in PHASES) if limited else ()
+            return tuple(speed.cost(kind, phase, param) * numel for phase in PHASES) if limited else ()
 
         groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name],
                                             uses(param, k)) for k in kinds))
                   for param, kinds in self.candidates.items()]
-        limits = tuple(sum(uses(p, k)[i] for p, k in baseline.items()) for i in range(len(PHASES))) if limited \
-            else ()
+        limits = tuple(bound[phase] - speed.reference_seconds[phase] for phase in PHASES) if limited else ()
         try:
             chosen = solve(groups, budget.tensor_bytes, limits)
         except InfeasibleBudget:
             if not limited:
                 raise
-            raise PaperbackError(f"no mix of {', '.join(k.name for k in self.kinds)} within {budget.label} runs as "
+            raise SlowerThanRecipe(f"no mix of {', '.join(k.name for k in self.kinds)} within {budget.label} runs as "
                                  f"fast in llama.cpp as {baseline_name} (by llama-bench's timing of each type on "
                                  "this CPU): allow more types, or pass --any-speed") from None
         self._stage(f"solved: {dict(Counter(o.label for o in chosen.values()))} within {budget.label}"

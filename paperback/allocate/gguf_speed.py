@@ -3,16 +3,21 @@
 llama.cpp's CPU speed differs between types by more than their bytes: on x86 it repacks some types (Q4_0,
 Q4_K, Q8_0, ...) into interleaved layouts its prompt matmuls run fast and reads the others row by row, and
 which ones depends on its build and the CPU. So the speed of each candidate type is measured here, by
-`llama-bench` itself, on files of the model's own shapes: one file per type, every weight that type tiles
-at that type and the rest at the reference type (Q8_0, which tiles every row of 32). The weights are zeros:
-a quantized matmul's time does not depend on its values, and no quantization is needed to write them.
+`llama-bench` itself, on files of the model's own shapes: one file per type and role, every weight of that
+role the type tiles at that type and the rest at the reference type (Q8_0, which tiles every row of 32). The
+weights are zeros: a quantized matmul's time does not depend on its values, and no quantization is needed.
+
+The roles are llama.cpp's: the blocks' linears, token_embd and output. They are timed apart because one type
+costs them differently: a prompt computes the output head for its last token only, the embedding is a lookup
+unless tied to the head, and the embedding is not repacked where the same type is in the blocks (Gemma 3's
+tied embedding holds most of its weights, so one cost per type would credit the blocks' speed to it).
 
 A file's seconds per token (prompt processing and generation, each from its fastest run: the files take turns
 for several rounds, so the machine's drift falls on all alike, and interference only ever slows a run) less
-the reference file's, over the weights that changed type, is the type's cost per weight relative to the
-reference. A mix's time is then the reference's
-plus the sum of its tensors' costs: a linear model a fit can hold to the recipe's own time as one more
-constraint of its exact solve. Tables are cached per CPU, llama-bench binary, threads and model shapes.
+the reference file's, over the weights that changed type, is the cost per weight of the type in that role,
+relative to the reference. A mix's time is then the reference's plus the sum of its tensors' costs: a linear
+model a fit can hold to the recipe's own time as one more constraint of its exact solve, and then check by
+timing the two whole (`time_files`). Tables are cached per CPU, llama-bench binary, threads and model shapes.
 """
 
 from __future__ import annotations
@@ -32,10 +37,16 @@ import torch
 from paperback.errors import PaperbackError
 from paperback.quantization.gguf_types import GGUF_TYPES, GGUFType
 from paperback.quantization.gguf_weight import GGUFWeight
+from paperback.quantization.model_pass import EMBED_PARAM, HEAD_PARAM
 
 REFERENCE_TYPE = "Q8_0"
 PHASES = ("prompt", "generate")
-SPEED_VERSION = 2
+SPEED_ROLES = ("blocks", "token_embd", "output")  # llama.cpp's names for where a weight sits
+SPEED_VERSION = 3
+
+
+def speed_role(param: str) -> str:
+    return {EMBED_PARAM: "token_embd", HEAD_PARAM: "output"}.get(param, "blocks")
 
 
 @dataclass(frozen=True)
@@ -74,29 +85,51 @@ def zero_weight(kind: GGUFType, shape: tuple[int, int]) -> GGUFWeight:
                       mins=torch.zeros(out_features, subs, dtype=torch.int16) if kind.has_min else None)
 
 
-def probe_types(kind: GGUFType, shapes: dict[str, tuple[int, int]]) -> dict[str, GGUFType]:
-    """The probe file of `kind`: every weight it tiles at `kind`, the rest at the reference type."""
+def probe_types(kind: GGUFType, shapes: dict[str, tuple[int, int]], role: str | None = None
+                ) -> dict[str, GGUFType]:
+    """The probe file of `kind` (in `role`; every role where None): each such weight it tiles at `kind`, the
+    rest at the reference type."""
     reference = GGUF_TYPES[REFERENCE_TYPE]
-    return {p: kind if kind.can_tile(shape[1]) else reference for p, shape in shapes.items()}
+    return {p: kind if kind.can_tile(shape[1]) and role in (None, speed_role(p)) else reference
+            for p, shape in shapes.items()}
+
+
+def probes(kinds: tuple[GGUFType, ...], shapes: dict[str, tuple[int, int]]) -> dict[tuple[str, str], dict]:
+    """{(type, role): probe types} for every role of the model a type tiles some weight of (the reference once,
+    as (REFERENCE_TYPE, "all"))."""
+    reference = GGUF_TYPES[REFERENCE_TYPE]
+    files = {(REFERENCE_TYPE, "all"): probe_types(reference, shapes)}
+    roles = sorted({speed_role(p) for p in shapes}, key=SPEED_ROLES.index)
+    for kind in kinds:
+        for role in roles:
+            if kind.name != REFERENCE_TYPE and any(kind.can_tile(i) and speed_role(p) == role
+                                                   for p, (_, i) in shapes.items()):
+                files[kind.name, role] = probe_types(kind, shapes, role)
+    return files
 
 
 @dataclass
 class SpeedTable:
-    """{type: {phase: seconds per token per weight, relative to the reference type}} on one CPU."""
-    costs: dict[str, dict[str, float]]
+    """{type: {role: {phase: seconds per token per weight, relative to the reference type}}} on one CPU."""
+    costs: dict[str, dict[str, dict[str, float]]]
     reference_seconds: dict[str, float]  # seconds per token of the file all at the reference type
     measured: dict  # what was run: CPU, llama-bench, settings, each file's tokens/s per round
 
     def seconds(self, types: dict[str, GGUFType], shapes: dict[str, tuple[int, int]]) -> dict[str, float]:
         """Predicted seconds per token of a file with `types`, each phase."""
-        return {phase: self.reference_seconds[phase] + sum(self.cost(kind, phase) * shapes[p][0] * shapes[p][1]
+        return {phase: self.reference_seconds[phase] + sum(self.cost(kind, phase, p) * shapes[p][0] * shapes[p][1]
                                                            for p, kind in types.items())
                 for phase in PHASES}
 
-    def cost(self, kind: GGUFType, phase: str) -> float:
-        if kind.name not in self.costs:
-            raise PaperbackError(f"{kind.name} has no measured speed (the table holds {', '.join(self.costs)})")
-        return self.costs[kind.name][phase]
+    def cost(self, kind: GGUFType, phase: str, param: str) -> float:
+        """Seconds per token per weight of `param` at `kind`, relative to the reference type."""
+        if kind.name == REFERENCE_TYPE:
+            return 0.0
+        role = speed_role(param)
+        if role not in self.costs.get(kind.name, {}):
+            raise PaperbackError(f"{kind.name} has no measured speed in {role} (the table holds "
+                                 f"{', '.join(f'{t} in {r}' for t, rs in self.costs.items() for r in rs)})")
+        return self.costs[kind.name][role][phase]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,6 +175,37 @@ def bench_once(llama_bench: Path, model: Path, settings: SpeedSettings) -> dict[
     return found
 
 
+def time_files(llama_bench: Path, files: dict, settings: SpeedSettings) -> dict:
+    """{name: [{phase: tokens/s} per round]}: each file once per round, in turn, for `settings.rounds` rounds."""
+    runs: dict = {name: [] for name in files}
+    for _ in range(settings.rounds):
+        for name, path in files.items():
+            runs[name].append(bench_once(llama_bench, path, settings))
+    return runs
+
+
+def seconds_per_token(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's fastest round, as seconds per token (interference only ever slows a run)."""
+    return {phase: min(1 / run[phase] for run in runs) for phase in PHASES}
+
+
+def time_assignments(lm, assignments: dict[str, dict[str, GGUFType]], llama_bench: Path,
+                     settings: SpeedSettings = SpeedSettings()) -> dict:
+    """Files of `lm`'s shapes with each of `assignments`' types (zeros) timed whole by llama-bench, in turns:
+    {name: {"seconds": {phase: s per token}, "tokens_per_s": [per round]}}. Not cached: a fit's own check."""
+    import gguf
+
+    with tempfile.TemporaryDirectory(prefix="paperback-speed-") as tmp:
+        reader = gguf.GGUFReader(lm.source.path)
+        files = {}
+        for i, (name, types) in enumerate(assignments.items()):
+            files[name] = Path(tmp) / f"{i}.gguf"
+            write_probe(lm, types, files[name], reader)
+        del reader
+        runs = time_files(llama_bench, files, settings)
+    return {name: {"seconds": seconds_per_token(r), "tokens_per_s": r} for name, r in runs.items()}
+
+
 def measure_speed(lm, kinds: tuple[GGUFType, ...], llama_bench: Path, settings: SpeedSettings = SpeedSettings(),
                   cache_dir: Path | None = None, progress: bool = True) -> SpeedTable:
     """The speed table of `kinds` for the model of `lm` (a LoadedModel from a GGUF file), measured or cached."""
@@ -160,29 +224,30 @@ def measure_speed(lm, kinds: tuple[GGUFType, ...], llama_bench: Path, settings: 
         if progress:
             print(f"[fit gguf] llama.cpp's speed per type from {cache}", flush=True)
         return SpeedTable(**json.loads(cache.read_text()))
+    planned = probes(tuple(GGUF_TYPES[n] for n in names), shapes)
     if progress:
-        print(f"[fit gguf] measuring llama.cpp's speed of {len(names)} types with {llama_bench} "
-              f"({settings.rounds} rounds, {settings.resolved_threads()} threads)", flush=True)
+        print(f"[fit gguf] measuring llama.cpp's speed of {len(names)} types in {len(planned)} files with "
+              f"{llama_bench} ({settings.rounds} rounds, {settings.resolved_threads()} threads)", flush=True)
     t0 = time.perf_counter()
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="paperback-speed-") as tmp:
         reader = gguf.GGUFReader(lm.source.path)  # its metadata, parsed once for every file
         files = {}
-        for name in names:
-            files[name] = Path(tmp) / f"{name}.gguf"
-            write_probe(lm, probe_types(GGUF_TYPES[name], shapes), files[name], reader)
+        for (name, role), types in planned.items():
+            files[name, role] = Path(tmp) / f"{name}-{role}.gguf"
+            write_probe(lm, types, files[name, role], reader)
         del reader
-        for _ in range(settings.rounds):
-            for name in names:
-                runs[name].append(bench_once(llama_bench, files[name], settings))
-    per_token = {n: {ph: min(1 / r[ph] for r in runs[n]) for ph in PHASES} for n in names}
-    costs = {}
-    for name in names:
-        changed = sum(o * i for p, (o, i) in shapes.items() if GGUF_TYPES[name].can_tile(i))
-        costs[name] = {ph: 0.0 if name == REFERENCE_TYPE else
-                       (per_token[name][ph] - per_token[REFERENCE_TYPE][ph]) / changed for ph in PHASES}
-    table = SpeedTable(costs, per_token[REFERENCE_TYPE],
-                       {**key_fields, "llama_bench_path": str(llama_bench), "tokens_per_s": runs,
+        runs = time_files(llama_bench, files, settings)
+    per_token = {file: seconds_per_token(r) for file, r in runs.items()}
+    reference = per_token[REFERENCE_TYPE, "all"]
+    costs: dict = {}
+    for (name, role), types in planned.items():
+        if name != REFERENCE_TYPE:
+            changed = sum(shapes[p][0] * shapes[p][1] for p, kind in types.items() if kind.name == name)
+            costs.setdefault(name, {})[role] = {ph: (per_token[name, role][ph] - reference[ph]) / changed
+                                                for ph in PHASES}
+    table = SpeedTable(costs, reference,
+                       {**key_fields, "llama_bench_path": str(llama_bench),
+                        "tokens_per_s": {f"{n} {r}": v for (n, r), v in runs.items()},
                         "seconds": time.perf_counter() - t0})
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp_file = cache.with_name(cache.name + f".tmp{os.getpid()}")
@@ -197,9 +262,10 @@ def write_probe(lm, types: dict[str, GGUFType], out: Path, reader=None) -> None:
 
     shapes = weight_shapes(lm.config)
     weights = {p: zero_weight(kind, shapes[p]) for p, kind in types.items()}
-    numel: dict[str, int] = {}
+    numel: dict[str, dict[str, int]] = {}  # {role: {type: weights}}: what the file holds, in its metadata
     for p, kind in types.items():
-        numel[kind.name] = numel.get(kind.name, 0) + shapes[p][0] * shapes[p][1]
+        held = numel.setdefault(speed_role(p), {})
+        held[kind.name] = held.get(kind.name, 0) + shapes[p][0] * shapes[p][1]
     write_weights(lm, weights, out, {"speed_probe": numel}, progress=False, reader=reader)
 
 

@@ -263,8 +263,15 @@ def _print_gguf(result: dict) -> None:
 def _speed_line(speed: dict) -> str:
     if not speed["constrained"]:
         return f"not held to a recipe's: {speed['why']}"
-    fit, recipe = (speed["predicted_tokens_per_s"][k] for k in ("fit", speed["against"]))
-    return (f"held to {speed['against']}'s: predicted prompt {fit['prompt']:.0f} vs {recipe['prompt']:.0f} tok/s, "
+    against = speed["against"]
+    if speed["fell_back"]:
+        return f"no mix measured as fast as {against} ({len(speed['checks'])} timed): {against}'s own types"
+    if speed["measured_ratio"] is not None:
+        ratio = speed["measured_ratio"]
+        return (f"measured against {against} by llama-bench: prompt {ratio['prompt']:.2f}x, generation "
+                f"{ratio['generate']:.2f}x ({speed['threads']} threads, {len(speed['checks'])} timed)")
+    fit, recipe = (speed["predicted_tokens_per_s"][k] for k in ("fit", against))
+    return (f"held to {against}'s: predicted prompt {fit['prompt']:.0f} vs {recipe['prompt']:.0f} tok/s, "
             f"generation {fit['generate']:.0f} vs {recipe['generate']:.0f} tok/s ({speed['threads']} threads)")
 
 
