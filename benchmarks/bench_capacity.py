@@ -1,7 +1,7 @@
 """Tokens a KV budget holds, per KV format, counted in the engine's own blocks; and the planner's prediction.
 
     .venv/bin/python benchmarks/bench_capacity.py [--models smollm2 gemma3] [--budgets 64 256 1024]
-        [--kv fp16 fp8 int8 int4 kivi4 kivi2 pnmix] [--markdown]
+        [--kv-cache-dtype fp16 fp8 int8 int4 kivi4 kivi2 pnmix] [--markdown]
 
 For each model, budget (MiB of `--kv-memory`) and KV format, uniform and
 with the first two layers at fp16, an `LLMEngine` is built as `paperback
@@ -119,7 +119,8 @@ def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
-    parser.add_argument("--kv", nargs="+", default=["fp16", "fp8", "int8", "int4", "kivi4", "kivi2", "pnmix"])
+    parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+",
+                        default=["fp16", "fp8", "int8", "int4", "kivi4", "kivi2", "pnmix"])
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
     args = parser.parse_args()
     if args.markdown:

@@ -1,7 +1,7 @@
 """Offline throughput of the paged engine against one-request-at-a-time decoding, per KV format and batch cap.
 
     .venv/bin/python benchmarks/bench_engine.py [--model smollm2] [--requests 32] [--prompt-tokens 256]
-        [--output-tokens 64] [--max-num-seqs 1 8 32] [--kv fp32 fp16 int8 kivi2]
+        [--output-tokens 64] [--max-num-seqs 1 8 32] [--kv-cache-dtype fp32 fp16 int8 kivi2]
 
 The same WikiText-2 prompts go through (a) the reference engine, one request
 after another (contiguous cache, batch 1: what `paperback generate` does) and
@@ -70,7 +70,7 @@ def run() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--kv", nargs="+", default=["fp32", "fp16", "int8", "kivi2"])
+    parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+", default=["fp32", "fp16", "int8", "kivi2"])
     parser.add_argument("--kv-memory", type=int, default=2 ** 30)
     parser.add_argument("--max-step-tokens", type=int, default=512)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -88,8 +88,9 @@ def run() -> int:
     for kv, n in configs:
         rows.append(run_worker([__file__, "--worker", "--model", args.model, "--requests", str(args.requests),
                                 "--prompt-tokens", str(args.prompt_tokens), "--output-tokens",
-                                str(args.output_tokens), "--kv", kv, "--max-num-seqs", str(n), "--kv-memory",
-                                str(args.kv_memory), "--max-step-tokens", str(args.max_step_tokens)], f"{kv} x {n}"))
+                                str(args.output_tokens), "--kv-cache-dtype", kv, "--max-num-seqs", str(n),
+                                "--kv-memory", str(args.kv_memory), "--max-step-tokens", str(args.max_step_tokens)],
+                               f"{kv} x {n}"))
     base = rows[0]["output_tokens_per_s"]
     print_table(f"{args.model}: {args.requests} requests x ({args.prompt_tokens} prompt + {args.output_tokens} output) "
                 f"tokens, {torch.get_num_threads()} threads",

@@ -1,7 +1,7 @@
 """Decode speed of the paged engine by KV format, at long contexts: does reading fewer bytes pay?
 
     .venv/bin/python benchmarks/bench_kv_speed.py [--model smollm2] [--contexts 2048 8192] [--batch 4]
-        [--kv fp16 fp8 int8 int4 kivi2] [--decode-tokens 32] [--threads 2] [--paths kernel python]
+        [--kv-cache-dtype fp16 fp8 int8 int4 kivi2] [--decode-tokens 32] [--threads 2] [--paths kernel python]
         [--kv-scores fp32 int8]
 
 One WikiText-2 prompt of (context - decode tokens) tokens is prefilled once
@@ -212,7 +212,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--kv", nargs="+", default=["fp16", "fp8", "int8", "int4", "kivi2"])
+    p.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+", default=["fp16", "fp8", "int8", "int4", "kivi2"])
     p.add_argument("--kv-scores", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"],
                    help="how the kernel scores integer keys; each choice its own row")
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -246,8 +246,9 @@ def main() -> None:
     warn_if_busy()
     if args.part == "quality":
         quality = run_worker([__file__, "--quality-worker", "--model", args.model, "--threads", str(args.threads),
-                              "--kv", *args.kv, "--quality-windows", str(args.quality_windows), "--quality-tokens",
-                              str(args.quality_tokens), "--kv-memory", str(args.kv_memory)], "quality")
+                              "--kv-cache-dtype", *args.kv, "--quality-windows", str(args.quality_windows),
+                              "--quality-tokens", str(args.quality_tokens), "--kv-memory", str(args.kv_memory)],
+                             "quality")
         print(f"\nKL to the full model, {quality['windows']} WikiText-2 windows of {quality['tokens']} tokens fed "
               f"one token a step through the engine (nats per token)")
         print(f"{'KV':>8} {'fp32 scores':>12} {'int8 scores':>12} {'int8 vs fp32 scores':>20} {'share':>6}")
@@ -261,7 +262,7 @@ def main() -> None:
     if args.part in ("attention", "both"):
         attention = run_worker([__file__, "--attention-worker", "--model", args.model, "--batch", str(args.batch),
                                 "--threads", str(args.threads), "--repeats", str(args.repeats), "--contexts",
-                                *map(str, args.contexts), "--kv", *args.kv, "--kv-scores", *args.kv_scores],
+                                *map(str, args.contexts), "--kv-cache-dtype", *args.kv, "--kv-scores", *args.kv_scores],
                                "attention")["rows"]
         base = {r["context"]: r["ms_per_layer"] for r in attention if r["kv"] == "fp16"}
         print(f"\none layer's decode attention, {args.batch} sequences, {args.threads} threads")
@@ -282,8 +283,8 @@ def main() -> None:
             for path in args.paths:
                 if path == "python" and (kv in ("fp16", "fp32", "bf16") or scores != "fp32"):
                     continue  # native layers take the kernel either way; PyTorch's path has no int8 scores
-                rows.append(run_worker([__file__, "--worker", "--model", args.model, "--kv", kv, "--context",
-                                        str(context), "--batch", str(args.batch), "--decode-tokens",
+                rows.append(run_worker([__file__, "--worker", "--model", args.model, "--kv-cache-dtype", kv,
+                                        "--context", str(context), "--batch", str(args.batch), "--decode-tokens",
                                         str(args.decode_tokens), "--threads", str(args.threads), "--path", path,
                                         "--kv-memory", str(args.kv_memory), "--kv-scores", scores],
                                        f"{kv} {path} ({scores} scores) at {context}"))

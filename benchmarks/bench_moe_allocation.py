@@ -7,8 +7,8 @@
 paperback loads no downloadable MoE model here, so the test models are made from the bundled SmolLM2 by
 `paperback moefy` (each MLP split into experts; docs/moe.md) and kept under ~/.cache/paperback/moefied/.
 Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB);
-part kv reads each back through the paged engine with every KV format (`paperback eval --kv F --paged`) and
-answers a chat completion from `paperback serve --kv F`; part speed times prefill and decode of the MoEfied
+part kv reads each back through the paged engine with every KV format (`paperback eval --kv-cache-dtype F --paged`) and
+answers a chat completion from `paperback serve --kv-cache-dtype F`; part speed times prefill and decode of the MoEfied
 model and of dense SmolLM2, in fp32 and packed at W4, through `paperback bench`.
 Part allocation quantizes every routed expert at W2/W3/W4/W8 (asymmetric, groups of 64; GPTQ on the
 calibration tokens routed to it), and for each budget of average code bits per expert weight compares:
@@ -295,8 +295,8 @@ KV_FORMATS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "int2", "kivi4", "k
 
 
 def kv_formats(path: Path, windows: int) -> dict:
-    """Each KV format read back from the serving engine's paged blocks (`paperback eval --kv F --paged`): KL to
-    the same model with an exact cache, on WikiText-2."""
+    """Each KV format read back from the serving engine's paged blocks (`paperback eval --kv-cache-dtype F
+    --paged`): KL to the same model with an exact cache, on WikiText-2."""
     import contextlib
     import io
 
@@ -306,10 +306,10 @@ def kv_formats(path: Path, windows: int) -> dict:
     for spec in KV_FORMATS:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            code = paperback_cli(["eval", str(path), "--kv", spec, "--paged", "--max-windows", str(windows),
+            code = paperback_cli(["eval", str(path), "--kv-cache-dtype", spec, "--paged", "--max-windows", str(windows),
                                   "--context", "512", "--json"])
         if code:
-            raise SystemExit(f"eval --kv {spec} failed")
+            raise SystemExit(f"eval --kv-cache-dtype {spec} failed")
         [result] = json.loads(printed.getvalue())["results"]
         out[spec] = {"kl": result["kl_divergence"], "perplexity": result["perplexity"]}
         print(json.dumps({"kv": spec, **out[spec]}), flush=True)
@@ -317,7 +317,7 @@ def kv_formats(path: Path, windows: int) -> dict:
 
 
 def serve_formats(path: Path) -> dict:
-    """`paperback serve DIR --kv F` for each KV format, answering one chat completion through the OpenAI API
+    """`paperback serve DIR --kv-cache-dtype F` for each KV format, answering one chat completion through the OpenAI API
     (greedy, 24 tokens): {format: {"text", "completion_tokens", "seconds"}}."""
     import socket
     import subprocess
@@ -329,14 +329,14 @@ def serve_formats(path: Path) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = subprocess.Popen([sys.executable, "-m", "paperback", "serve", str(path), "--kv", spec,
+        server = subprocess.Popen([sys.executable, "-m", "paperback", "serve", str(path), "--kv-cache-dtype", spec,
                                    "--port", str(port), "--kv-memory", "256MiB"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             url = f"http://127.0.0.1:{port}"
             for _ in range(600):
                 if server.poll() is not None:
-                    raise SystemExit(f"serve --kv {spec} exited: {server.stderr.read()[-2000:]}")
+                    raise SystemExit(f"serve --kv-cache-dtype {spec} exited: {server.stderr.read()[-2000:]}")
                 try:
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
@@ -562,8 +562,9 @@ def main() -> int:
                         ["KV format", "KL", "perplexity"],
                         [[spec, f"{r['kl']:.5f}", f"{r['perplexity']:.2f}"] for spec, r in entry["kv"].items()])
         if "serve" in entry:
-            print_table(f"{name}: `paperback serve --kv F`, one chat completion (greedy)", ["KV format", "tokens",
-                        "seconds", "answer"], [[spec, r["completion_tokens"], f"{r['seconds']:.2f}", r["text"][:60]]
+            print_table(f"{name}: `paperback serve --kv-cache-dtype F`, one chat completion (greedy)",
+                        ["KV format", "tokens", "seconds", "answer"],
+                        [[spec, r["completion_tokens"], f"{r['seconds']:.2f}", r["text"][:60]]
                                                for spec, r in entry["serve"].items()])
         if "speed" in entry:
             print_table(f"{name} against dense SmolLM2: tokens/s (ratio to dense in the same format)",

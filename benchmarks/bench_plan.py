@@ -1,6 +1,6 @@
 """The planner's predictions against the paged engine's measured memory, line by line.
 
-    .venv/bin/python benchmarks/bench_plan.py [--models smollm2 gemma3] [--kv fp16 int8 kivi2]
+    .venv/bin/python benchmarks/bench_plan.py [--models smollm2 gemma3] [--kv-cache-dtype fp16 int8 kivi2]
         [--contexts 1024 4096] [--users 1 4] [--markdown]
     .venv/bin/python benchmarks/bench_plan.py --allowance [--models smollm2 gemma3]
 
@@ -187,7 +187,7 @@ def run_allowance(models: list[str]) -> None:
 def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
-    parser.add_argument("--kv", nargs="+", default=["fp16", "int8", "kivi2"])
+    parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+", default=["fp16", "int8", "kivi2"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")

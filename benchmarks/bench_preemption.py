@@ -1,7 +1,7 @@
 """Preemption by recomputation against swapping to host memory, and what `auto` picks, by prompt length.
 
     .venv/bin/python benchmarks/bench_preemption.py [--model smollm2] [--prompt-tokens 32 256 1024]
-        [--requests 8] [--output-tokens 96] [--kv fp16] [--pool-share 0.4] [--trials 2] [--markdown]
+        [--requests 8] [--output-tokens 96] [--kv-cache-dtype fp16] [--pool-share 0.4] [--trials 2] [--markdown]
 
 For each prompt length, --requests WikiText-2 prompts of that length each
 decode --output-tokens greedy tokens through the paged engine (all running at
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 256, 1024])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--output-tokens", type=int, default=96)
-    parser.add_argument("--kv", default="fp16")
+    parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", default="fp16")
     parser.add_argument("--pool-share", type=float, default=0.4,
                         help="the pool's blocks as a share of what every request needs at its final length")
     parser.add_argument("--max-step-tokens", type=int, default=512)

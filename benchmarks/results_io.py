@@ -113,6 +113,12 @@ def provenance(threads: int) -> dict:
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", False
+    try:  # the kernels' SIMD path and which were built (absent where paperback is not importable: a peer's env)
+        from paperback.system import kernel_summary
+
+        kernels = kernel_summary()
+    except ImportError:
+        kernels = None
     return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit + ("+dirty" if dirty else ""),
-            "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+            "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "kernels": kernels,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

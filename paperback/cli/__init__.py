@@ -8,6 +8,7 @@ import os
 import sys
 
 from paperback import __version__
+from paperback.cli.common import Parser
 from paperback.errors import PaperbackError
 
 try:
@@ -21,6 +22,10 @@ COMMANDS = (generate_cmd, eval_cmd, bench_cmd, info_cmd, quantize_cmd, export_cm
             fit_cmd, moefy_cmd, demo_cmd)
 
 
+# Commands whose speed rests on the C kernels: a kernel not built is named on stderr before they run
+RUNS_KERNELS = {"generate", "eval", "bench", "serve", "demo", "quantize", "profile", "fit", "moefy"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paperback",
@@ -28,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and KV cache, serve an OpenAI-compatible API, plan memory.",
     )
     parser.add_argument("--version", action="version", version=f"paperback {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for command in COMMANDS:
         command.register(sub)
@@ -48,6 +53,10 @@ def _kernel_modes(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
+    if args.command in RUNS_KERNELS:
+        from paperback.system import warn_missing_kernels
+
+        warn_missing_kernels()
     try:
         with _kernel_modes(args):
             return args.func(args)

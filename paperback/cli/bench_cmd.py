@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_kv_cache_dtype_arg, add_model_arg
+from paperback.cli.common import (add_dtype_arg, add_json_arg, add_kernel_args, add_kv_cache_dtype_arg, add_model_arg,
+                                  kv_cache_dtype)
 from paperback.cli.output import err_console, note, print_json, print_table
 
 
@@ -22,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--threads", type=int, default=None, help="threads per engine (default: all cores)")
-    p.add_argument("--profile", action="store_true",
+    p.add_argument("--step-profile", action="store_true",
                    help="also show where a decode step's time goes in paperback at each --batch (linears, "
                         "attention, norms, head, sampling, the rest)")
     p.add_argument("-o", "--output", type=Path, default=None, help="also write the JSON report here")
@@ -37,10 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from paperback.bench.engines import BenchConfig
     from paperback.bench.report import bench_columns, bench_rows, run_bench
 
+    kv_cache_dtype(args, "bench")  # a quantized KV format is refused by name before anything loads
     cfg = BenchConfig(model=args.model, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
                       decode_tokens=args.decode_tokens, batches=tuple(args.batch), repeats=args.repeats,
                       decode_activations=args.decode_activations, prefill_matmul=args.prefill_matmul,
-                      threads=args.threads, profile=args.profile, kv_cache_dtype=args.kv_cache_dtype)
+                      threads=args.threads, profile=args.step_profile, kv_cache_dtype=args.kv)
     peers = () if args.peer == "none" else (args.peer,)
     if args.json:
         report = run_bench(cfg, peers)
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
         return 0
-    kv = f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    kv = f", KV cache {args.kv}" if args.kv != "auto" else ""
     print_table(f"{args.model} ({args.dtype}{kv}), prompt {cfg.prompt_tokens} tokens, decode {cfg.decode_tokens} tokens, "
                 f"{report['engines']['paperback']['threads']} threads",
                 bench_columns(report), bench_rows(report))

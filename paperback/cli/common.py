@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 from paperback.loading.sources import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -15,23 +16,94 @@ def add_model_arg(parser: argparse.ArgumentParser, nargs: str = "?") -> None:
     )
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            action = copy.copy(action)  # argparse prints no help line for an option without help text
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+class Parser(argparse.ArgumentParser):
+    """paperback's subcommand parser: --help shows every default."""
+
+    def __init__(self, *args, formatter_class=HelpWithDefaults, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+# The dtype names vLLM and transformers take, each to paperback's short one
+DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+                 "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+HF_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # what a config.json says
+# vLLM's --kv-cache-dtype values paperback has no format for
+UNSUPPORTED_KV = ("fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+
+def dtype_name(value: str) -> str:
+    """argparse type of a dtype: auto, or a short name (fp32, fp16, bf16) from any of DTYPE_ALIASES."""
+    name = value.strip().lower()
+    if name == "auto":
+        return name
+    if name not in DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"unknown dtype '{value}' (auto, fp32/float32/float, fp16/float16/half, "
+                                         "bf16/bfloat16)")
+    return DTYPE_ALIASES[name]
+
+
+def kv_cache_dtype_name(value: str) -> str:
+    """argparse type of --kv-cache-dtype (a KV format, as in vLLM): a dtype name shortened, vLLM's fp8_e4m3 read as
+    fp8, any settings after ':' kept for the format's own parser."""
+    name, colon, settings = value.strip().partition(":")
+    name = name.lower()
+    if name in UNSUPPORTED_KV:
+        raise argparse.ArgumentTypeError(f"{name} is not supported here; fp8 (E4M3) is")
+    name = {"fp8_e4m3": "fp8", **DTYPE_ALIASES}.get(name, name)
+    return name + colon + settings
+
+
+def runtime_dtype_name(value: str) -> str:
+    """argparse type of the runtime --dtype: auto is fp32 (paperback computes exactly unless told otherwise)."""
+    name = dtype_name(value)
+    return "fp32" if name == "auto" else name
+
+
 def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="runtime dtype of weights and activations (default fp32)")
+    parser.add_argument("--dtype", default="fp32", type=runtime_dtype_name, choices=["fp32", "bf16", "fp16"],
+                        help="runtime dtype of weights and activations (vLLM's names auto, float32, float, bfloat16, "
+                             "float16, half too; auto is fp32, exact on every CPU)")
+
+
+EXACT_KV = ("auto", "fp32", "fp16", "bf16")
 
 
 def add_kv_cache_dtype_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                        help="how the KV cache stores keys and values: auto (the model's --dtype; the default), "
-                             "or fp16/bf16, half an fp32 model's cache bytes and of what each decode step reads "
-                             "from it (llama.cpp's default cache is f16)")
+    """--kv-cache-dtype of a command that keeps an exact cache (generate, bench): the exact formats only."""
+    parser.add_argument("--kv-cache-dtype", dest="kv", default="auto", type=kv_cache_dtype_name,
+                        help="KV cache format (as in `serve`); this command keeps the cache exact: auto (the model's "
+                             "--dtype; the default), or fp16/bf16, half an fp32 model's cache bytes and of what "
+                             "each decode step reads from it (llama.cpp's default cache is f16)")
 
 
-def kv_cache_dtype(args: argparse.Namespace):
-    """The torch dtype --kv-cache-dtype names, None for auto."""
+def kv_cache_dtype(args: argparse.Namespace, command: str):
+    """The torch dtype of an exact cache --kv-cache-dtype names, None for auto; a quantized format is refused by
+    name (the commands that run them: serve and eval)."""
+    from paperback.errors import PaperbackError
     from paperback.loading import parse_dtype
 
-    return None if args.kv_cache_dtype == "auto" else parse_dtype(args.kv_cache_dtype)
+    if args.kv not in EXACT_KV:
+        raise PaperbackError(f"`paperback {command}` keeps the KV cache exact ({', '.join(EXACT_KV)}): "
+                             f"--kv-cache-dtype {args.kv} is served by `paperback serve` and scored by "
+                             "`paperback eval`")
+    return None if args.kv == "auto" else parse_dtype(args.kv)
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_dtype_arg, add_json_arg, add_kernel_args, add_model_arg
+from paperback.cli.common import (add_dtype_arg, add_json_arg, add_kernel_args, add_model_arg, kv_cache_dtype_name,
+                                  runtime_dtype_name)
 from paperback.cli.output import print_json, print_table
 from paperback.evaluation import DATASETS
 from paperback.kv.families import NAMED
@@ -23,12 +24,14 @@ def register(sub) -> None:
                    help="strided windows: score only the last STRIDE tokens of each window")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
     p.add_argument("--reference", default=None, help="reference model for KL (same tokenizer)")
-    p.add_argument("--reference-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--reference-dtype", default="fp32", type=runtime_dtype_name, choices=["fp32", "bf16", "fp16"],
+                   help="runtime dtype of the reference model")
     kv = p.add_argument_group("KV cache", "Evaluate with a quantized KV cache: each window is fed in chunks and "
                               "every earlier token is read back from the cache as stored. The reference is "
                               "then the same model with exact attention (unless --reference is given).")
-    kv.add_argument("--kv", default=None,
-                    help="KV format for every layer: " + ", ".join(NAMED) + ", with settings as "
+    kv.add_argument("--kv-cache-dtype", "--kv", dest="kv", default=None, type=kv_cache_dtype_name,
+                    help="KV cache format of every layer (as `serve` takes it; default: none, exact attention): "
+                         + ", ".join(NAMED) + ", with settings as "
                          "NAME:key=value,... (e.g. kivi2:g=64,r=64, fp8:scale=calibrated, pnmix:hi=8,lo=1,top=6); "
                          "any format also takes token retention: sink=S keeps the first S tokens exact, "
                          "window=W evicts all but the sinks and the last W (StreamingLLM)")
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.paged and args.kv is None and args.kv_policy is None:
         from paperback.errors import PaperbackError
 
-        raise PaperbackError("--paged stores the cache in a KV format: give --kv (e.g. --kv fp16) or --kv-policy")
+        raise PaperbackError("--paged stores the cache in a KV format: give --kv-cache-dtype (e.g. --kv-cache-dtype "
+                             "fp16) or --kv-policy")
     if args.kv is not None:
         from paperback.kv import parse_kv_scheme
 
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kv_setup(args: argparse.Namespace, lm):
-    """(cache factory, description) for --kv / --kv-policy / --kv-skip-layers; (None, None) without them."""
+    """(cache factory, description) for --kv-cache-dtype / --kv-policy / --kv-skip-layers; (None, None) without them."""
     from paperback.kv import QuantizedKVCache, build_policy, calibrate_kv_amax
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
     from paperback.quantization.checkpoint import checkpoint_kv_policy

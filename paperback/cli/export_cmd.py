@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg
+from paperback.cli.common import HF_DTYPE_NAMES, add_json_arg, dtype_name
 from paperback.cli.output import note, print_json, print_table
 
 FORMATS = ("gguf", "compressed-tensors", "gptq", "awq")
@@ -25,10 +25,10 @@ def register(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default="gguf", help="output format (default gguf)")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="file (gguf) or directory (compressed-tensors, gptq, awq) to write")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+    p.add_argument("--dtype", type=dtype_name, choices=["auto", "fp16", "bf16", "fp32"], default="auto",
                    help="compressed-tensors: the model dtype, of the scales and of every tensor not packed "
-                        "(default float16, which holds paperback's fp16 scales exactly; float32 keeps the rest exact "
-                        "too)")
+                        "(float16, bfloat16, float32, half too; auto, the default, is fp16, which holds paperback's "
+                        "fp16 scales exactly; fp32 keeps the rest exact too)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file or directory")
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -43,10 +43,11 @@ def run(args: argparse.Namespace) -> int:
     if not (args.checkpoint / "recipe.json").is_file():
         raise PaperbackError(f"{args.checkpoint} is not a paperback checkpoint (no recipe.json); quantize a model "
                              "with `paperback quantize` first")
-    if args.format != "compressed-tensors" and args.dtype is not None:
+    if args.format != "compressed-tensors" and args.dtype != "auto":
         raise PaperbackError(f"--dtype applies to compressed-tensors; {args.format} stores fp16 scales and tensors")
     hf_formats = {"compressed-tensors": lambda: export_compressed_tensors(
-                      args.checkpoint, args.output, args.dtype or "float16", args.overwrite, progress=not args.json),
+                      args.checkpoint, args.output, HF_DTYPE_NAMES.get(args.dtype, "float16"), args.overwrite,
+                      progress=not args.json),
                   "gptq": lambda: export_gptq(args.checkpoint, args.output, args.overwrite, progress=not args.json),
                   "awq": lambda: export_awq(args.checkpoint, args.output, args.overwrite, progress=not args.json)}
     if args.format in hf_formats:

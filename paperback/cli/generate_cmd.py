@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     result = generate(lm, prompt, params, chat=chat, on_text=None if args.json else stream,
-                      cache_dtype=kv_cache_dtype(args))
+                      cache_dtype=kv_cache_dtype(args, "generate"))
     if args.json:
         print_json({"model": lm.source.label, "chat": chat, "text": result.text,
                     "token_ids": result.token_ids, "finish_reason": result.finish_reason,

@@ -9,8 +9,12 @@ from paperback.cli.output import print_json, print_table
 
 
 def register(sub) -> None:
-    p = sub.add_parser("info", help="show a model's configuration, parameter count and memory per token")
+    p = sub.add_parser("info", help="show a model's configuration, parameter count and memory per token; --system: "
+                                    "what runs on this machine")
     add_model_arg(p)
+    p.add_argument("--system", action="store_true",
+                   help="instead of a model: the C kernels built or not (and why), the SIMD path chosen, threads, "
+                        "the CPU and torch's build")
     add_dtype_arg(p)
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -18,6 +22,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from paperback.loading import load_model
+
+    if args.system:
+        return _system(args)
     from paperback.memory import dense_kv_bytes_per_token, module_bytes, parameter_count
 
     lm = load_model(args.model, args.dtype)
@@ -79,3 +86,23 @@ def _quantization(lm) -> dict | None:
             "layers": len({split_band_key(name)[0] for name in layers}),
             "bits_per_weight": bits / weights if weights else 0.0,
             "stored_bytes": checkpoint_weight_bytes(lm.source.path)[1].total, "kv_policy": recipe.get("kv_policy")}
+
+
+def _system(args: argparse.Namespace) -> int:
+    from paperback.system import system_report
+
+    report = system_report()
+    if args.json:
+        print_json(report)
+        return 0
+    cpu, torch_facts = report["cpu"], report["torch"]
+    rows = [["paperback", report["paperback"]], ["python", report["python"]],
+            ["torch", f"{torch_facts['version']} ({torch_facts['build']})"],
+            ["CPU", f"{cpu['model']} ({cpu['cores']} cores)"], ["SIMD features", " ".join(cpu["simd_flags"]) or "none"],
+            ["threads", f"{report['threads']} (of {report['affinity']} CPUs this process may use)"],
+            ["kernel path", report["simd"] + (f" (capped by PAPERBACK_SIMD={report['simd_cap']})"
+                                              if report["simd_cap"] else "")]]
+    rows += [[f"{k['name']} kernel", "built" if k["built"] else f"NOT BUILT ({k['error']}): {k['without']}"]
+             for k in report["kernels"]]
+    print_table("paperback on this machine", ["", ""], rows)
+    return 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from paperback.cli.common import add_json_arg
+from paperback.cli.common import add_json_arg, kv_cache_dtype_name
 from paperback.cli.output import note, print_json, print_table
+from paperback.loading.sources import DEFAULT_MODEL
 
 
 def register(sub) -> None:
@@ -15,15 +16,17 @@ def register(sub) -> None:
                                    "counts the engine sizes its pool with), for every weight scheme and KV format, "
                                    "against a memory budget: the bottleneck, the lever to pull first, the largest "
                                    "context and the most users that fit, and the equivalent vLLM / llama.cpp flags.")
-    p.add_argument("model", help="a preset (llama-2-7b, llama-3.1-8b, llama-3.1-70b, mistral-7b, qwen2.5-7b, "
-                                 "qwen2.5-72b, gemma-3-27b, mixtral-8x7b, smollm2, gemma3), a config.json, a model "
-                                 "directory or a .gguf file")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="a preset (llama-2-7b, llama-3.1-8b, llama-3.1-70b, mistral-7b, qwen2.5-7b, "
+                        "qwen2.5-72b, gemma-3-27b, mixtral-8x7b, smollm2, gemma3), a config.json, a model "
+                        "directory or a .gguf file (default: %(default)s)")
     p.add_argument("--memory", required=True, help="device memory, like 24GiB or 80GB")
     p.add_argument("--context", type=int, default=4096, help="tokens per conversation (default 4096)")
     p.add_argument("--users", type=int, default=1, help="concurrent conversations (default 1)")
     p.add_argument("--weights", nargs="+", default=None, help="weight schemes (default fp16 W8 W4 W3; for a quantized "
                                                                   "checkpoint, its own scheme plus these)")
-    p.add_argument("--kv", nargs="+", default=None, help="KV formats (default fp16 fp8 int8 int4 kivi2)")
+    p.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+", default=None, type=kv_cache_dtype_name,
+                   help="KV cache formats to plan, as `serve` takes them (default fp16 fp8 int8 int4 kivi2)")
     p.add_argument("--kv-skip-layers", default=None,
                    help="layers every KV format keeps at fp16: indices, ranges (0-3), global or sliding")
     p.add_argument("--kv-policy", default=None,

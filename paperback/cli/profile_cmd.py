@@ -35,7 +35,7 @@ def register(sub) -> None:
     p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES),
                    help="comma-separated candidate schemes, like W4a-g128 (W<bits><a|s>-<g<size>|ch>)")
     p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS),
-                   help="comma-separated candidate KV formats (as --kv takes them)")
+                   help="comma-separated candidate KV formats (as --kv-cache-dtype takes them)")
     p.add_argument("--windows", type=int, default=1, help="profiling windows (default 1)")
     p.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--weight-tokens", type=int, default=256,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg
+from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg, kv_cache_dtype_name
 from paperback.cli.output import note
 
 
@@ -37,12 +37,12 @@ def register(sub) -> None:
                                    "series). vLLM's flag names are accepted; paperback's older names stay as "
                                    "aliases.")
     add_model_arg(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv-cache-dtype", "--kv", dest="kv", default=None,
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--kv-cache-dtype", "--kv", dest="kv", default="auto", type=kv_cache_dtype_name,
                    help="KV cache format of every layer (auto, fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, "
-                        "pnmix, with settings and retention (sink=, window=) as in `paperback eval --kv`); default "
-                        "(auto): the policy a fitted checkpoint carries, else fp32")
+                        "pnmix, with settings and retention (sink=, window=) as in `paperback eval "
+                        "--kv-cache-dtype`); default (auto): the policy a fitted checkpoint carries, else fp32")
     p.add_argument("--kv-scores", choices=["fp32", "int8"], default="fp32",
                    help="how decode attention scores integer-coded keys (int8/int4/int2, KIVI): fp32 (codes decoded, "
                         "exact; the default) or int8 (each query rounded to int8 and multiplied with the codes by "
@@ -86,14 +86,9 @@ def register(sub) -> None:
 
 
 def kv_cache_dtype(value: str | None) -> str | None:
-    """vLLM's --kv-cache-dtype values mapped to paperback's formats (None: the default policy)."""
-    from paperback.errors import PaperbackError
-
-    if value in (None, "auto"):
-        return None
-    if value in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla"):
-        raise PaperbackError(f"--kv-cache-dtype {value} is not supported here; fp8 (E4M3) is")
-    return "fp8" if value == "fp8_e4m3" else value
+    """--kv-cache-dtype (already in paperback's names: common.kv_cache_dtype_name) as a KV format, None for the
+    default policy."""
+    return None if value in (None, "auto") else value
 
 
 def bind(host: str, port: int):

@@ -34,7 +34,8 @@ from paperback.kv.policy import KVPolicy, build_policy
 
 
 def default_kv_amax(lm) -> dict:
-    """FP8 KV scales calibrated as `paperback eval --kv fp8:scale=calibrated` does: 16 x 512 pydoc tokens."""
+    """FP8 KV scales calibrated as `paperback eval --kv-cache-dtype fp8:scale=calibrated` does: 16 x 512 pydoc
+    tokens."""
     from paperback.kv import calibrate_kv_amax
     from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 

@@ -1,6 +1,6 @@
 """The paged engine's storage as the cache `evaluate()` feeds a window through: eval measures what is served.
 
-`paperback eval --kv FORMAT --paged` scores each window through a
+`paperback eval --kv-cache-dtype FORMAT --paged` scores each window through a
 `PagedKVPool` and `StepBatch`, the same blocks, staging, encoding and paged
 attention that `paperback serve` decodes with, instead of the dense
 `QuantizedKVCache`. The two agree up to summation order (tests/engine).

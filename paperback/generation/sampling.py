@@ -148,6 +148,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p (the top one always stays).
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        drop[:, 0] = False  # a top_p below float32's least (1e-300 rounds to 0) must not drop the top one too
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     if params.min_p > 0.0:

@@ -4,7 +4,7 @@ A family is its codecs (keys, values) built from a scheme's settings, its
 label, the named specs it answers to with their defaults, whether it needs
 observed statistics before it can encode (calibrated FP8 needs each layer's
 key and value amax), and which of its names the allocator offers by default.
-The CLI's `--kv` names, the parser, the planner's bytes (from the codecs'
+The CLI's `--kv-cache-dtype` names, the parser, the planner's bytes (from the codecs'
 `bits_per_element`), the caches and the allocator's candidates all come from
 FAMILIES, so a new format is a codec in `codecs.py` and one entry here.
 """

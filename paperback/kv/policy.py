@@ -1,6 +1,6 @@
 """Per-layer KV cache policy: a default scheme, per-layer overrides, layers kept at native precision.
 
-From the CLI (`--kv kivi2 --kv-skip-layers 0,global`) or a JSON file:
+From the CLI (`--kv-cache-dtype kivi2 --kv-skip-layers 0,global`) or a JSON file:
 
     {"default": "kivi2",
      "layers": {"0-1": "int8", "global": "fp8:scale=calibrated"},
@@ -108,7 +108,7 @@ def build_policy(config: ModelConfig, kv: str | None = None, skip_layers: str | 
         raise PaperbackError(f"{where}: expected an object with keys {sorted(POLICY_KEYS)}"
                              + (f"; unknown: {extra}" if extra else ""))
     if kv is not None and "default" in spec and parse_kv_scheme(spec["default"]) != parse_kv_scheme(kv):
-        raise PaperbackError(f"--kv {kv} and the policy's default '{spec['default']}' disagree")
+        raise PaperbackError(f"--kv-cache-dtype {kv} and the policy's default '{spec['default']}' disagree")
     default = parse_kv_scheme(spec.get("default", kv or "fp16"))
     overrides: dict[int, KVScheme] = {}
     layers = spec.get("layers", {})

@@ -35,7 +35,8 @@ class GGUFModelFile:
         if not self.path.is_file():
             raise ModelFileError(f"model file not found: {self.path}")
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            with np.errstate(all="ignore"):  # offsets near 2**64 overflow in the reader: refused below, silently
+                self.reader = gguf.GGUFReader(self.path)
         except Exception as exc:  # the reader raises many types on bad bytes
             raise ModelFileError(
                 f"{self.path} is not a readable GGUF file (truncated or corrupt?): {exc}"
@@ -65,10 +66,10 @@ class GGUFModelFile:
         align = max(1, int(getattr(self.reader, "alignment", 32)))
         ordered = sorted(self.reader.tensors, key=lambda t: int(t.data_offset))
         for t in ordered:
-            if t.data_offset + t.n_bytes > size:
+            if int(t.data_offset) + int(t.n_bytes) > size:  # Python ints: numpy's uint64 would wrap
                 raise ModelFileError(
                     f"{self.path} is truncated: tensor '{t.name}' ends at byte "
-                    f"{t.data_offset + t.n_bytes:,} but the file has {size:,} bytes"
+                    f"{int(t.data_offset) + int(t.n_bytes):,} but the file has {size:,} bytes"
                 )
         ends = [int(self.reader.data_offset)] + [int(t.data_offset + t.n_bytes) for t in ordered]
         for t, previous_end in zip(ordered, ends):

@@ -19,7 +19,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # them overflows or allocates absurdly before a tensor is read.
 INT_RANGES = {"vocab_size": (1, 2 ** 22), "hidden_size": (1, 2 ** 16), "intermediate_size": (1, 2 ** 18),
               "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (1, 2048),
-              "max_position_embeddings": (1, 2 ** 24), "sliding_window": (1, 2 ** 24)}
+              # a context holds at least a prompt token and the token generated after it
+              "max_position_embeddings": (2, 2 ** 24), "sliding_window": (1, 2 ** 24)}
 
 
 def check_int(name: str, value, lo: int, hi: int) -> int:

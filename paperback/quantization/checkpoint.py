@@ -138,6 +138,9 @@ def verify_weights(recipe: dict, path: Path) -> None:
     expected = recipe.get("weights_sha256")
     if expected is None:
         return
+    if not (path / WEIGHTS_FILE).is_file():
+        raise ModelFileError(f"{path} holds a paperback recipe but no {WEIGHTS_FILE}: the checkpoint is incomplete "
+                             "(copy the whole directory)")
     if not isinstance(expected, str) or weights_digest(path / WEIGHTS_FILE) != expected:
         raise ModelFileError(f"{path / WEIGHTS_FILE} has changed since it was written (its sha256 differs from "
                              f"the recipe's): the file is corrupt or was edited")

@@ -215,6 +215,8 @@ def create_app(engine: AsyncEngine, model_name: str, default_max_tokens: int = 2
             results.cancel()
             for request_id in ids:
                 engine.cancel(request_id)
+            # read the cancelled gather's outcome, or asyncio logs it as an error when the future is collected
+            await asyncio.gather(results, return_exceptions=True)
             return None
         watcher.cancel()
         return results.result()

@@ -29,6 +29,12 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(tokens.flatten().tolist()) == {0, 1, 2}
 
 
+def test_a_top_p_below_float32s_least_keeps_the_top_token():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])  # 1e-300 is 0 in float32: it must not drop every token
+    tokens = draw(probs.log(), SamplingParams(temperature=1.0, top_p=1e-300, seed=0))
+    assert set(tokens.flatten().tolist()) == {0}
+
+
 def test_temperature_one_matches_the_distribution():
     probs = torch.tensor([[0.6, 0.3, 0.1]])
     tokens = draw(probs.log(), SamplingParams(temperature=1.0, seed=1), n=6000).flatten()

@@ -6,6 +6,7 @@ the maths reads) is refused, never accepted silently; every change to a checkpoi
 import json
 import random
 import shutil
+import warnings
 
 import gguf
 import numpy as np
@@ -58,13 +59,15 @@ class Layout:
             self.put(data, *self.fields[key], value)
         return corrupt
 
-    def tensor(self, name, type_=None, offset_from=None):
+    def tensor(self, name, type_=None, offset_from=None, offset=None):
         def corrupt(data):
             (type_at, type_dtype, _), (offset_at, offset_dtype, _) = self.tensors[name]
             if type_ is not None:
                 self.put(data, type_at, type_dtype, int(type_))
             if offset_from is not None:
                 self.put(data, offset_at, offset_dtype, self.tensors[offset_from][1][2])
+            if offset is not None:
+                self.put(data, offset_at, offset_dtype, offset)
         return corrupt
 
     def broken_merges(self, data):
@@ -87,6 +90,7 @@ TARGETED = [
     ("huge embedding", lambda g: g.field(f"{ARCH}.embedding_length", 2 ** 31)),
     ("zero feed-forward", lambda g: g.field(f"{ARCH}.feed_forward_length", 0)),
     ("2**32-1 context", lambda g: g.field(f"{ARCH}.context_length", 2 ** 32 - 1)),
+    ("context of 1", lambda g: g.field(f"{ARCH}.context_length", 1)),
     ("huge BOS id", lambda g: g.field("tokenizer.ggml.bos_token_id", 10 ** 9)),
     ("huge EOS id", lambda g: g.field("tokenizer.ggml.eos_token_id", 2 ** 32 - 1)),
     ("NaN epsilon", lambda g: g.field(f"{ARCH}.attention.layer_norm_rms_epsilon", float("nan"))),
@@ -94,6 +98,7 @@ TARGETED = [
     ("norm relabelled F16", lambda g: g.tensor("blk.0.attn_norm.weight", F16)),
     ("matrix relabelled Q8_0", lambda g: g.tensor("blk.1.ffn_down.weight", Q8_0)),
     ("overlapping tensors", lambda g: g.tensor("blk.2.attn_k.weight", offset_from="blk.2.attn_q.weight")),
+    ("offset near 2**64", lambda g: g.tensor("blk.2.attn_k.weight", offset=2 ** 64 - 64)),
 ]
 
 
@@ -104,7 +109,10 @@ def bundled():
 
 @pytest.mark.parametrize("name, corruption", TARGETED, ids=[n for n, _ in TARGETED])
 def test_targeted_corruptions_of_the_bundled_gguf_are_refused(tmp_path, bundled, name, corruption):
-    assert not loads(bundled.write(tmp_path / "model.gguf", corruption(bundled))), name
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        assert not loads(bundled.write(tmp_path / "model.gguf", corruption(bundled))), name
+    assert not printed, [str(w.message) for w in printed]  # a clean error only: no numpy overflow warning first
 
 
 def test_a_corrupt_vocabulary_is_refused(tmp_path, bundled):
@@ -199,6 +207,13 @@ CHECKPOINT_DAMAGE = [
 @pytest.mark.parametrize("name, damage", CHECKPOINT_DAMAGE, ids=[n for n, _ in CHECKPOINT_DAMAGE])
 def test_damaged_checkpoints_are_refused(tmp_path, checkpoint, name, damage):
     assert not loads(damaged_copy(checkpoint, tmp_path, **damage)), name
+
+
+def test_a_checkpoint_without_its_weights_file_is_refused_by_name(tmp_path, checkpoint):
+    path = damaged_copy(checkpoint, tmp_path)
+    (path / WEIGHTS_FILE).unlink()
+    with pytest.raises(PaperbackError, match=f"holds a paperback recipe but no {WEIGHTS_FILE}"):
+        load_model(str(path), with_tokenizer=False)
 
 
 def test_every_changed_byte_of_checkpoint_weights_is_refused(tmp_path, checkpoint):

@@ -74,7 +74,7 @@ def test_cli_writes_a_directory_transformers_and_paperback_load_alike(dense, tmp
     from paperback.loading import load_model
 
     out = tmp_path / "moe"
-    assert main(["moefy", str(dense.source.path), "-o", str(out), "--experts", "4", "--top-k", "2",
+    assert main(["moefy", str(dense.source.path), "-o", str(out), "--experts", "4", "--experts-per-token", "2",
                  "--calib-samples", "4", "--calib-len", "64", "--shared-fraction", str(shared),
                  "--json"]) == 0
     report = json.loads((out / "moefy.json").read_text())
@@ -92,7 +92,8 @@ def test_bad_settings_are_refused_before_work(dense, tmp_path, capsys):
 
     with pytest.raises(PaperbackError, match="top-k"):
         MoefyConfig(num_experts=4, experts_per_token=5)
-    assert main(["moefy", str(dense.source.path), "-o", str(tmp_path / "a"), "--experts", "5", "--top-k", "2"]) == 2
+    assert main(["moefy", str(dense.source.path), "-o", str(tmp_path / "a"), "--experts", "5",
+                 "--experts-per-token", "2"]) == 2
     assert "do not split into 5 equal experts" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")

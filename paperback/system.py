@@ -1,0 +1,131 @@
+"""What runs on this machine: the C kernels built or not (and why), the SIMD path they take, threads, torch's build.
+
+paperback's speed rests on three C extensions built at install (setup.py). Each is optional, so an install without
+a compiler still works, but far slower: this module names what is missing, once, on stderr, and `paperback info
+--system` prints the whole picture (`--json` too). Benchmarks record `kernel_summary()` beside their results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch  # first: the extensions share torch's OpenMP runtime
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    module: str
+    without: str  # what runs in its place
+
+
+KERNELS = (
+    Kernel("packed weights", "paperback.quantization._qkernel",
+           "quantized layers dequantize through the PyTorch reference path on every call"),
+    Kernel("paged attention", "paperback.engine._paged_kernel",
+           "decode reads the paged KV pool through PyTorch one sequence at a time"),
+    Kernel("fused decode", "paperback.generation._fused_decode",
+           "decode steps run layer by layer in PyTorch"),
+)
+FIX = "reinstall with a C compiler (gcc) on PATH: bash scripts/setup.sh, or pip install -e ."
+# CPU features the kernels' wider paths use (from /proc/cpuinfo's flags)
+SIMD_FLAGS = ("avx2", "f16c", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi",
+              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+_warned = False
+
+
+@dataclass
+class KernelStatus:
+    name: str
+    module: str
+    built: bool
+    error: str | None  # why it does not import
+    without: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kernel_status() -> list[KernelStatus]:
+    statuses = []
+    for kernel in KERNELS:
+        try:
+            importlib.import_module(kernel.module)
+            built, error = True, None
+        except ImportError as exc:
+            built, error = False, str(exc)
+        statuses.append(KernelStatus(kernel.name, kernel.module, built, error, kernel.without))
+    return statuses
+
+
+def missing_kernels() -> list[KernelStatus]:
+    return [k for k in kernel_status() if not k.built]
+
+
+def simd_level() -> str:
+    """The code path of the packed-weight kernel: 'amx', 'avx512vnni', 'avx512', 'avxvnni', 'avx2', 'portable', or
+    'unavailable' (not built)."""
+    from paperback.quantization.kernels import kernel_simd
+
+    return kernel_simd()
+
+
+def cpu_facts() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("unknown", platform.processor()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "simd_flags": [f for f in SIMD_FLAGS if f in flags]}
+
+
+def kernel_summary() -> dict:
+    """What a results JSON records of the kernels: the SIMD path, and which extensions were built."""
+    return {"simd": simd_level(), "simd_cap": os.environ.get("PAPERBACK_SIMD"),
+            "built": {k.name: k.built for k in kernel_status()}}
+
+
+def system_report() -> dict:
+    import paperback
+
+    return {"paperback": paperback.__version__, "python": sys.version.split()[0],
+            "torch": {"version": torch.__version__,
+                      "build": f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only",
+                      "cuda_available": torch.cuda.is_available()},
+            "cpu": cpu_facts(), "threads": torch.get_num_threads(),
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "simd": simd_level(), "simd_cap": os.environ.get("PAPERBACK_SIMD"),
+            "kernels": [k.to_dict() for k in kernel_status()]}
+
+
+def warn_missing_kernels() -> None:
+    """Once per process, on stderr: each kernel not built, the slower path taken instead, and the fix."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    for kernel in missing_kernels():
+        print(f"paperback: warning: the {kernel.name} kernel is not built ({kernel.error}): {kernel.without}, "
+              f"far slower; {FIX}", file=sys.stderr)
+
+
+def require_kernels() -> None:
+    """Exit non-zero naming every kernel that does not import (scripts/setup.sh calls it after installing)."""
+    missing = missing_kernels()
+    for kernel in missing:
+        print(f"error: paperback's {kernel.name} kernel ({kernel.module}) does not import: {kernel.error}",
+              file=sys.stderr)
+    if missing:
+        raise SystemExit(f"paperback installed without {len(missing)} of its C kernels: without them "
+                         f"{missing[0].without}. Install gcc (and the Python headers), then {FIX}")
