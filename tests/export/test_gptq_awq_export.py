@@ -1,5 +1,6 @@
 """GPTQ and AWQ GEMM exports, decoded the way AutoGPTQ's and AutoAWQ's own dequantizers do (written here from
-their layouts in ../shared/FORMATS.md: neither tool installs beside torch 2.13, see the README)."""
+their published packing layouts: AutoGPTQ does not install beside torch 2.13, and AutoAWQ's GEMM dequantizer is
+loaded from its files alone; docs/weights.md)."""
 
 import json
 

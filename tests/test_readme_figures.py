@@ -1,0 +1,62 @@
+"""The README's measured tables still say what their JSON under benchmarks/results/ holds: a benchmark rerun
+that moves a figure fails here until the README is updated with it."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def readme_table(title_start: str) -> list[list[str]]:
+    """The rows (cells stripped of bold) of the README table whose header row starts with `title_start`."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {title_start}"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().replace("**", "") for cell in line.strip("|").split("|")])
+    assert rows, title_start
+    return rows
+
+
+def pair(cell: str) -> tuple[float, float]:
+    """'1.455 / 1.535' (and anything after it) -> (1.455, 1.535)."""
+    first, second = re.match(r"([\d.]+) / ([\d.]+)", cell).groups()
+    return float(first), float(second)
+
+
+def decimals(cell: str) -> int:
+    return len(re.match(r"[\d]+\.(\d+)", cell).group(1))
+
+
+@pytest.mark.parametrize("model, title", [("smollm2", "SmolLM2-135M, weights at the bytes of"),
+                                          ("gemma3", "Gemma 3 270M, weights at the bytes of")])
+def test_the_allocation_tables_match_their_json(model, title):
+    cells = json.loads((RESULTS / f"allocation_{model}.json").read_text())["cells"]
+    kl = {(c["budget"], c["policy"]): (c["wikitext2"]["kl"], c["ptb"]["kl"]) for c in cells}
+    for row in readme_table(title):
+        bits, group = re.match(r"W(\d) g(\d+)", row[0]).groups()
+        budget = f"W{bits}a-g{group}"
+        for cell, policy in zip(row[1:], ("uniform", "llama.cpp", "paperback")):
+            places = decimals(cell)
+            assert pair(cell) == tuple(round(v, places) for v in kl[budget, policy]), (budget, policy)
+
+
+def test_the_gguf_table_matches_its_json():
+    result = json.loads((RESULTS / "gguf_recipes.json").read_text())
+    kld = {(r["recipe"], r["tool"], r["text"]): r["kld"] for r in result["rows"] if r["model"] == "smollm2"}
+    speed = {(s["recipe"], s["tool"]): s for s in result["speed"] if s["model"] == "smollm2"}
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    for row in readme_table("SmolLM2, size of"):
+        recipe = row[0].split()[0]
+        for cell, tool in zip(row[1:4], ("llama.cpp", "llama.cpp + imatrix", "paperback fit (rtn)")):
+            expected = tuple(round(kld[recipe, tool, text], 4) for text in ("wikitext2", "ptb"))
+            assert pair(cell) == expected, (recipe, tool)
+        prompt, generate = (float(x) for x in re.findall(r"([\d.]+)x", row[4]))
+        fit = speed[recipe, "paperback fit (rtn)"]
+        assert (prompt, generate) == (round(fit["prompt"]["ratio"], 2), round(fit["generate"]["ratio"], 2)), recipe
