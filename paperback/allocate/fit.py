@@ -9,6 +9,7 @@ part of the text the profile never read.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -107,15 +108,18 @@ class Fit:
         """reference_lm: the full model, loaded separately (the fitted one is quantized in place)."""
         t0 = time.perf_counter()
         if self.profile is None:
+            self._stage("profiling: KL per weight unit and KV layer")
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
         cfg = self.config
         t0 = time.perf_counter()
+        self._stage("solving the budget, then quantizing and measuring the best candidates whole")
         allocator, candidates = fitting_candidates(self.profile, self.lm.model, cfg.workload, cfg.candidates,
                                                    cfg.head_bands, evict=cfg.evict, retrieval_kl=cfg.retrieval_kl)
         allocation, second_pass, summary = self._allocate_and_quantize(allocator, candidates)
         self.seconds["second_pass_and_quantize"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self._stage(f"evaluating the written checkpoint on {cfg.eval_windows} held-out windows")
         quality = self._evaluate(reference_lm, allocation)
         self.seconds["evaluate"] = time.perf_counter() - t0
         curve = allocator.budget_curve()
@@ -128,6 +132,10 @@ class Fit:
                             "path": str(self.profile_path) if self.profile_path else None,
                             "seconds": self.profile.get("seconds", {})},
                 "tokens": self.profile.get("tokens"), "seconds": self.seconds, "config": self.config.to_dict()}
+
+    def _stage(self, message: str) -> None:
+        if self.progress:
+            print(f"[fit] {message}", file=sys.stderr, flush=True)
 
     def _allocate_and_quantize(self, allocator: Allocator, candidates: list[Candidate]
                                ) -> tuple[Allocation, list[dict], dict]:
@@ -189,6 +197,7 @@ class Fit:
                    "predicted_kl": allocation.predicted_kl}
         length = min(cfg.needle_context or cfg.workload.context, fitted.config.max_position_embeddings - 16)
         if cfg.needle_depths and len(self.held_out) >= length:
+            self._stage(f"needles at {length} tokens, depths {', '.join(map(str, cfg.needle_depths))}")
             full = reference_lm.model
             exact = run_needles(full, reference_lm.tokenizer, self.held_out, [length], list(cfg.needle_depths),
                                 lambda n: ContiguousKVCache(full.config, 1, n, full.dtype), chunk=256)

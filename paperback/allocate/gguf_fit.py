@@ -308,40 +308,44 @@ class GGUFFit:
     def _held_solve(self, lm, prices: dict, budget: GGUFBudget, table: SpeedTable | None, paced: str | None,
                     fallback: dict[str, GGUFType] | None) -> HeldSolve:
         """The solve held to the speed of recipe `paced`, then checked: the solution and the recipe timed whole
-        by llama-bench (zero-weight files, in turns). Where the solution measures slower than the linear model
-        said, the model's shortfall is taken off the next solve's limit; after SPEED_ATTEMPTS the recipe's own
-        types (`fallback`, where the fit may take them) are the answer, else the fit is refused."""
+        by llama-bench (zero-weight files, in turns). What the per-type costs miss is learnt from each check: the
+        recipe's own misprediction is common to every file, and the solution's further shortfall is charged to
+        each weight that departs from the recipe's type, so the next solve keeps closer to the recipe where the
+        departures cost more than the costs said. After SPEED_ATTEMPTS the recipe's own types (`fallback`, where
+        the fit may take them) are the answer, else the fit is refused."""
         if table is None or paced is None:
             return HeldSolve(*self._solve(prices, budget))
         shapes = weight_shapes(self.model_config)
         paced_types = gguf_types_for(self.model_config, recipe(paced))
         bound = table.seconds(paced_types, shapes)  # seconds per token the solution may take, each phase
+        departure = dict.fromkeys(PHASES, 0.0)  # seconds per token per weight off the recipe's type, learnt
         checks = []
         for attempt in range(1, SPEED_ATTEMPTS + 1):
             try:
-                types, predicted = self._solve(prices, budget, table, bound, paced)
+                types, predicted = self._solve(prices, budget, table, bound, paced, paced_types, departure)
             except SlowerThanRecipe:
                 if attempt == 1:
                     raise
-                break  # no mix is predicted fast enough once the model's shortfall is counted
+                break  # nothing departs from the recipe cheaply enough (a fit that cannot take its types)
             if types == paced_types:
-                return HeldSolve(types, predicted, checks)
+                return HeldSolve(types, predicted, checks, fell_back=attempt > 1)
             self._stage(f"timing the solution against {paced} whole with llama-bench ({self.speed.rounds} rounds)")
             timed = time_assignments(lm, {"fit": types, paced: paced_types}, self.llama_bench, self.speed)
             mine, theirs = timed["fit"]["seconds"], timed[paced]["seconds"]
             expected = table.seconds(types, shapes)
+            departed = sum(shapes[p][0] * shapes[p][1] for p, kind in types.items() if kind != paced_types[p])
             ratio = {phase: theirs[phase] / mine[phase] for phase in PHASES}  # the solution's speed, recipe = 1
             checks.append({"attempt": attempt, "types": dict(Counter(t.name for t in types.values())),
-                           "bound_seconds": dict(bound), "predicted_seconds": expected, "measured_seconds": mine,
-                           "recipe_seconds": theirs, "ratio": ratio,
+                           "departed_weights": departed, "departure_cost": dict(departure),
+                           "predicted_seconds": expected, "measured_seconds": mine, "recipe_seconds": theirs,
+                           "recipe_predicted_seconds": dict(bound), "ratio": ratio,
                            "tokens_per_s": {name: t["tokens_per_s"] for name, t in timed.items()}})
             self._stage("measured " + ", ".join(f"{phase} {ratio[phase]:.3f}x" for phase in PHASES) + f" {paced}")
-            slow = [phase for phase in PHASES if ratio[phase] < 1 - SPEED_TOLERANCE]
-            if not slow:
+            if all(ratio[phase] >= 1 - SPEED_TOLERANCE for phase in PHASES):
                 return HeldSolve(types, predicted, checks)
-            # Where the model was short on this solution, hold the next one lower by as much
-            bound = {phase: min(bound[phase], theirs[phase] - (mine[phase] - expected[phase])) if phase in slow
-                     else bound[phase] for phase in PHASES}
+            for phase in PHASES:  # what the model (costs, common offset, departures) still missed on this file
+                missed = (mine[phase] - expected[phase]) - (theirs[phase] - bound[phase]) - departure[phase] * departed
+                departure[phase] = max(0.0, departure[phase] + missed / departed)
         if fallback is None:
             raise SlowerThanRecipe(f"no solution within {budget.label} measured as fast in llama.cpp as {paced} "
                                    f"({len(checks)} timed), and the types allowed cannot write {paced} itself: "
@@ -369,17 +373,24 @@ class GGUFFit:
                 "threads": table.measured.get("settings", {}).get("threads")}
 
     def _solve(self, prices: dict, budget: GGUFBudget, speed: SpeedTable | None = None,
-               bound: dict[str, float] | None = None, baseline_name: str | None = None
+               bound: dict[str, float] | None = None, baseline_name: str | None = None,
+               paced_types: dict[str, GGUFType] | None = None, departure: dict[str, float] | None = None
                ) -> tuple[dict[str, GGUFType], float]:
         """The least predicted KL within the budget; with a speed table and a bound (seconds per token of each
-        phase, prompt processing and generation), also within the bound by the table's prediction."""
+        phase, prompt processing and generation), also within the bound by the table's prediction, each weight
+        off its type in `paced_types` costing `departure` more."""
         shapes = weight_shapes(self.model_config)
         table = costs(prices)
         limited = speed is not None and bound is not None
+        departure = departure or dict.fromkeys(PHASES, 0.0)
 
         def uses(param: str, kind: GGUFType) -> tuple[float, ...]:
+            if not limited:
+                return ()
             numel = shapes[param][0] * shapes[param][1]
-            return tuple(speed.cost(kind, phase, param) * numel for phase in PHASES) if limited else ()
+            off = paced_types is not None and kind != paced_types.get(param)
+            return tuple((speed.cost(kind, phase, param) + (departure[phase] if off else 0.0)) * numel
+                         for phase in PHASES)
 
         groups = [Group(param, tuple(Option(k.name, k.tensor_bytes(*shapes[param]), table[param][k.name],
                                             uses(param, k)) for k in kinds))

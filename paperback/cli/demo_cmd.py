@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from paperback.cli.common import add_model_arg
-from paperback.cli.output import console, note, print_table
+from paperback.cli.output import console, note, print_table, stage
 
 
 def register(sub) -> None:
@@ -75,7 +75,7 @@ def _compare(args: argparse.Namespace, out: Path) -> None:
     tokens = full.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
     bos = full.tokenizer.bos_token_id if full.tokenizer.adds_bos else None
     policy = build_policy(fitted.config, spec=allocation["kv_policy"])
-    with console.status("WikiText-2: the full model, then the fitted one through its KV formats"):
+    with stage("WikiText-2: the full model, then the fitted one through its KV formats"):
         reference = evaluate(full.model, tokens, 512, max_windows=args.eval_windows, dataset="wikitext2",
                              progress=False, bos_token_id=bos)
         light = evaluate(fitted.model, tokens, 512, reference=full.model, max_windows=args.eval_windows,
@@ -95,7 +95,7 @@ def _compare(args: argparse.Namespace, out: Path) -> None:
         from paperback.bench.report import run_in_worker
 
         speeds = []
-        with console.status("decode speed, batch 1: the full model, then the fitted one"):
+        with stage("decode speed, batch 1: the full model, then the fitted one"):
             for model in (args.model, str(out)):
                 result = run_in_worker("paperback", BenchConfig(model=model, batches=(1,), repeats=2))
                 speeds.append(result["decode"]["1"]["decode_tokens_per_s"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -29,3 +31,16 @@ def print_json(data) -> None:
 
 def note(message: str) -> None:
     err_console.print(message, style="dim")
+
+
+@contextlib.contextmanager
+def stage(message: str):
+    """A spinner on a terminal; in a log, a line when the stage starts and one when it ends."""
+    if console.is_terminal:
+        with console.status(message):
+            yield
+        return
+    started = time.perf_counter()
+    print(f"[paperback] {message} ...", file=sys.stderr, flush=True)
+    yield
+    print(f"[paperback] {message}: done in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)

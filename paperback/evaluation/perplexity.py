@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.errors import DatasetError, PaperbackError
 from paperback.models import DecoderLM
 from paperback.models.blocks import KVCache
+from paperback.progress import progress as stage_progress
 
 LOGIT_CHUNK = 256  # positions per logits slice
 
@@ -144,8 +144,8 @@ def evaluate(
     pos_nll = torch.zeros(context, dtype=torch.float64)
     pos_kl = torch.zeros(context, dtype=torch.float64)
     pos_count = torch.zeros(context, dtype=torch.float64)
-    for w in tqdm(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
-                  disable=None if progress else True, leave=False):
+    for w in stage_progress(windows, desc=f"eval {dataset or ''} ctx={context}".strip(), unit="window",
+                            enabled=progress):
         fed = window_ids(ids, w, bos_token_id)
         # Position i predicts token i + 1; score predictions of tokens [score_from, end).
         first = w.score_from - w.start - 1

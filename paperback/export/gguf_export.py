@@ -175,7 +175,7 @@ def write_gguf(source: Path, config, tensors: list, out: Path, progress: bool = 
     fields `extra` (`reader`: `source` already opened by gguf.GGUFReader, for several files from one source).
     Written to a temporary name and renamed, so a failure leaves no partial file."""
     import gguf
-    from tqdm.auto import tqdm
+    from paperback.progress import progress as stage_progress
 
     from paperback.loading.weight_names import GGUF_ARCHS, GGUF_BLOCK_NAMES, GGUF_GLOBAL_NAMES
 
@@ -206,8 +206,7 @@ def write_gguf(source: Path, config, tensors: list, out: Path, progress: bool = 
         writer.add_string(key, value)
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
-    for name, value in tqdm(tensors, desc="export gguf", unit="tensor", disable=None if progress else True,
-                            leave=False):
+    for name, value in stage_progress(tensors, desc="export gguf", unit="tensor", enabled=progress):
         target = gguf_name(name)
         data, qtype, kind_name = _encoded(value)
         if arch.norm_offset and "norm.weight" in target:

@@ -40,7 +40,7 @@ class HFFormat:
 def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "float16", overwrite: bool = False,
               progress: bool = True) -> dict:
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
+    from paperback.progress import progress as stage_progress
 
     from paperback.export.hf_config import hf_config
     from paperback.loading import load_model
@@ -71,8 +71,7 @@ def export_hf(checkpoint: Path, out_dir: Path, fmt: HFFormat, dtype: str = "floa
         fmt.check(module.scheme, module.in_features, name)
     state: dict[str, torch.Tensor] = {}
     by_scheme: dict[QuantScheme, list[str]] = {}
-    for name, module in tqdm(packed.items(), desc=f"export {fmt.name}", unit="layer",
-                             disable=None if progress else True, leave=False):
+    for name, module in stage_progress(packed.items(), desc=f"export {fmt.name}", unit="layer", enabled=progress):
         q = module.to_quantized()
         if name in linears:
             by_scheme.setdefault(module.scheme, []).append(name)

@@ -16,9 +16,6 @@ from pathlib import Path
 from paperback.errors import PaperbackError
 
 PRESETS = resources.files("paperback.plan") / "presets"
-# model types the planner understands, and whether q/k/v carry a bias
-MODEL_TYPES = {"llama": False, "mistral": False, "mixtral": False, "qwen2": True, "qwen3": False,
-               "gemma3_text": False, "gemma3": False, "qwen2_moe": True, "qwen3_moe": False, "dots1": False}
 
 
 @dataclass(frozen=True)
@@ -76,46 +73,13 @@ class ModelShape:
         return self.layer_windows[layer]
 
 
-def _need(cfg: dict, key: str, where: str):
-    if cfg.get(key) is None:
-        raise PaperbackError(f"{where}: config has no '{key}'")
-    return cfg[key]
-
-
 def shape_from_hf(cfg: dict, where: str = "config.json", source: str = "") -> ModelShape:
-    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
-        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-    model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise PaperbackError(f"{where}: model_type '{model_type}' is not supported by the planner "
-                             f"(supported: {', '.join(sorted(MODEL_TYPES))})")
-    layers = int(_need(cfg, "num_hidden_layers", where))
-    hidden = int(_need(cfg, "hidden_size", where))
-    heads = int(_need(cfg, "num_attention_heads", where))
-    windows: tuple = ()
-    window = cfg.get("sliding_window")
-    if model_type.startswith("gemma3"):
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                           for i in range(layers)]
-        windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif model_type in ("qwen2", "qwen2_moe", "qwen3_moe", "dots1") and not cfg.get("use_sliding_window", False):
-        window = None
-    moe = {}
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "dots1"):
-        from paperback.loading.hf_dir import _moe_from_hf
+    """A Hugging Face config.json's shape, read by the loader's own reader (loading.hf_dir.config_from_hf): one
+    set of rules for layer types, windows and experts, whether a model is planned or loaded."""
+    from paperback.loading.hf_dir import config_from_hf
 
-        moe = moe_fields(_moe_from_hf(cfg, model_type, layers, Path(where)))
-    return ModelShape(
-        name=str(cfg.get("_name_or_path") or where), num_layers=layers, hidden_size=hidden,
-        intermediate_size=int(_need(cfg, "intermediate_size", where)), num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads),
-        vocab_size=int(_need(cfg, "vocab_size", where)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type.startswith("gemma3"))),
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", MODEL_TYPES[model_type]))),
-        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "dots1"), **moe,
-        sliding_window=int(window) if window and not windows else None, layer_windows=windows, source=source or where)
+    config = config_from_hf(cfg, Path(where))
+    return shape_from_config(config, str(cfg.get("_name_or_path") or where), source or where)
 
 
 def moe_fields(moe) -> dict:

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from paperback.errors import PaperbackError
 from paperback.models import DecoderLM
+from paperback.progress import progress as stage_progress
 from paperback.quantization.awq import AWQConfig, awq_block
 from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
@@ -215,8 +215,8 @@ def quantize_model(model: DecoderLM, config: QuantizeConfig, calibration: torch.
     if method.calibrated and calibration is None:
         raise PaperbackError(f"{config.method.upper()} needs calibration data")
     results: dict[str, QuantizedWeight] = {}
-    bar = tqdm(total=len(model.model.layers), desc=f"{config.method} {config.label}", unit="block",
-               disable=None if progress else True, leave=False)
+    bar = stage_progress(total=len(model.model.layers), desc=f"{config.method} {config.label}", unit="block",
+                         enabled=progress)
     method.model_pass(model, config, calibration, bar, results)
     bar.close()
     return results

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_llama_hf, write_llama_gguf
 from paperback.allocate.gguf_budget import candidate_types, gguf_budget, tensor_candidates
 from paperback.allocate.gguf_cells import GGUFCells
 from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig, baseline_recipe
@@ -26,33 +25,6 @@ from paperback.loading.sources import bundled_model_path
 from paperback.quantization.calibration import calibration_batch
 from paperback.quantization.gguf_recipes import recipe
 from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES
-
-SMALL = {"calib_samples": 4, "window_tokens": 128, "probe_windows": 2, "probe_tokens": 64, "check_windows": 2,
-         "eval_windows": 2, "eval_context": 128, "check_samples": 4}
-
-
-@pytest.fixture(scope="module")
-def tok_gguf(tmp_path_factory):
-    """A tiny tied Llama with SmolLM2's tokenizer: rows of 64 (legacy types only) and an MLP of 256 (whose
-    down projection k-quants tile)."""
-    hf = tiny_llama_hf(num_hidden_layers=2, vocab_size=49152, hidden_size=64, intermediate_size=256,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                       max_position_embeddings=1024)
-    with torch.no_grad():  # random weights sharp enough that a quantized tensor moves the output clearly
-        for name, p in hf.named_parameters():
-            if p.dim() == 2:
-                p.mul_(50 if "embed" in name else 5)
-    return write_llama_gguf(hf, tmp_path_factory.mktemp("tok") / "tok.gguf", tokenizer_from=bundled_model_path("smollm2"))
-
-
-@pytest.fixture(scope="module")
-def fitted(tok_gguf, tmp_path_factory):
-    """One fit at 4 MB and its result."""
-    work = tmp_path_factory.mktemp("fit")
-    fit = GGUFFit(str(tok_gguf), GGUFFitConfig(**SMALL), work / "fit.gguf", size=4_000_000,
-                  cache_dir=work / "cache", progress=False)
-    return fit, fit.run()
-
 
 def test_the_file_stays_within_the_size_and_holds_the_chosen_types(fitted):
     fit, result = fitted
@@ -94,11 +66,11 @@ def test_the_solution_is_measured_and_evaluated_against_the_full_model(fitted):
     assert result["estimate_check"]["samples"] == 4
 
 
-def test_a_second_size_reuses_the_prices(fitted, tok_gguf, tmp_path, capsys):
+def test_a_second_size_reuses_the_prices(fitted, tok_gguf, small_gguf_fit_config, tmp_path, capsys):
     fit, first = fitted
     prices = first["prices"]
     stamp = os.path.getmtime(prices)
-    again = GGUFFit(str(tok_gguf), GGUFFitConfig(**SMALL), tmp_path / "big.gguf", size=6_000_000,
+    again = GGUFFit(str(tok_gguf), small_gguf_fit_config, tmp_path / "big.gguf", size=6_000_000,
                     cache_dir=fit.cache_dir, progress=True)
     result = again.run()
     assert "prices from" in capsys.readouterr().out
@@ -164,14 +136,6 @@ def test_budgets_come_from_the_config_alone():
     assert baseline_recipe(config, by_size, candidate_types(["Q4_0", "Q8_0"])) == "Q4_0"
     with pytest.raises(PaperbackError, match="rows of 576 weights, which none of the candidate types"):
         tensor_candidates(config, candidate_types(["Q4_K", "Q6_K"]))
-
-
-@pytest.fixture(scope="module")
-def plain_gguf(tmp_path_factory):
-    """A tiny Llama with no tokenizer: the checks below refuse before anything would need one."""
-    hf = tiny_llama_hf(num_hidden_layers=2, vocab_size=256, hidden_size=64, intermediate_size=256,
-                       num_attention_heads=4, num_key_value_heads=2)
-    return write_llama_gguf(hf, tmp_path_factory.mktemp("plain") / "plain.gguf")
 
 
 @pytest.mark.parametrize("argv, message", [

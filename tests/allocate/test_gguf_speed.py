@@ -21,7 +21,6 @@ from paperback.quantization.gguf_pack import from_bytes, to_bytes
 from paperback.quantization.gguf_recipes import recipe
 from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES
 
-from test_gguf_fit import fitted, plain_gguf, tok_gguf  # noqa: F401 (fixtures)
 
 # The stand-in's seconds per token per weight of each type (prompt, generation) and of the rest of the model
 COSTS = {"Q8_0": (2e-12, 8e-12), "Q6_K": (2e-12, 6e-12), "Q5_K": (2e-12, 5e-12), "Q4_K": (1e-12, 4e-12),

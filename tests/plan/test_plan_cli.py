@@ -80,7 +80,7 @@ def test_config_missing_a_field(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
     assert main(["plan", str(cfg), "--memory", "1GiB"]) == 2
-    assert "no 'num_hidden_layers'" in capsys.readouterr().err
+    assert "lacks the required field 'num_hidden_layers'" in capsys.readouterr().err
 
 
 def test_a_quantized_checkpoint_plans_with_its_own_stored_weights(tmp_path, capsys):
