@@ -36,8 +36,9 @@ from tqdm.auto import tqdm
 from paperback.allocate.solver import Group, Option, solve
 from paperback.errors import PaperbackError
 from paperback.models.layers import gated_mlp_act
-from paperback.quantization.gptq import GPTQConfig, gptq_quantize
-from paperback.quantization.rtn import quantize_rtn
+from paperback.progress import progress as stage_progress
+from paperback.quantization.gptq import GPTQConfig
+from paperback.quantization.model_pass import METHODS
 from paperback.quantization.scheme import QuantScheme
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -97,31 +98,22 @@ def capture_routing(model, calibration: torch.Tensor, batch: int = 4) -> dict[in
     return routed
 
 
-def _hessian(x: torch.Tensor) -> torch.Tensor:
-    return (2.0 / len(x)) * (x.T.double() @ x.double()).float()
-
-
 def quantize_candidates(model, routed: dict[int, RoutedInputs], schemes: list[QuantScheme], method: str = "gptq",
                         gptq: GPTQConfig = GPTQConfig(), progress: bool = True) -> dict[Key, dict[str, dict]]:
-    """{expert: {scheme label: {projection: dequantized fp32 weight}}}: every expert at every candidate, GPTQ on
-    the tokens routed to it (its down projection on their gated activations); RTN for `method` "rtn" and for
-    an expert no calibration token reaches."""
-    if method not in ("gptq", "rtn"):
-        raise PaperbackError(f"expert candidates are quantized by gptq or rtn, not '{method}'")
+    """{expert: {scheme label: {projection: dequantized fp32 weight}}}: every expert at every candidate, by the
+    expert form of `method` (quantization.expert_forms) on the tokens routed to it."""
+    form = METHODS[method].expert if method in METHODS else None
+    if form is None:
+        raise PaperbackError(f"expert candidates are quantized by "
+                             f"{' or '.join(m.name for m in METHODS.values() if m.expert)}, not '{method}'")
     act = gated_mlp_act(model.config.hidden_act)
     candidates: dict[Key, dict[str, dict]] = {}
-    for (layer, e), expert in tqdm(experts_of(model).items(), desc="expert candidates", unit="expert",
-                                   disable=None if progress else True, leave=False):
+    for (layer, e), expert in stage_progress(experts_of(model).items(), desc="expert candidates", unit="expert",
+                                             enabled=progress):
         x, _ = routed[layer].of(e)
         weights = {p: getattr(expert, p).weight.detach().float() for p in PROJECTIONS}
-        hessians = None
-        if method == "gptq" and len(x):
-            inner = act(x @ weights["gate_proj"].T) * (x @ weights["up_proj"].T)
-            h_in = _hessian(x)
-            hessians = {"gate_proj": h_in, "up_proj": h_in, "down_proj": _hessian(inner)}
-        candidates[(layer, e)] = {
-            s.label: {p: (gptq_quantize(w, hessians[p], s, gptq) if hessians else quantize_rtn(w, s)).dequantize(
-                torch.float32) for p, w in weights.items()} for s in schemes}
+        candidates[(layer, e)] = {s.label: {p: q.dequantize(torch.float32)
+                                            for p, q in form(weights, x, act, s, gptq).items()} for s in schemes}
     return candidates
 
 

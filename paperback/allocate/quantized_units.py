@@ -14,36 +14,16 @@ block fits in memory at once for the additivity check.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from paperback.allocate.units import BLOCK_UNITS, HEAD_UNIT, WeightUnit
 from paperback.errors import PaperbackError
-from paperback.quantization.awq import AWQConfig, awq_block, capture_inputs, scale_groups
-from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
-from paperback.quantization.model_pass import BLOCK_LINEARS, input_reader
-from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
+from paperback.quantization.awq import AWQConfig
+from paperback.quantization.block_forms import EffectiveWeight  # noqa: F401 (the profile's and second pass's)
+from paperback.quantization.gptq import GPTQConfig
+from paperback.quantization.model_pass import METHODS
 from paperback.quantization.scheme import QuantScheme
-
-
-@dataclass
-class EffectiveWeight:
-    """weight ~ diag(row_scale) @ dequantize(q) @ diag(1 / column_scale); scales None when 1."""
-
-    q: QuantizedWeight
-    column_scale: torch.Tensor | None = None
-    row_scale: torch.Tensor | None = None
-
-    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        w = self.q.dequantize(torch.float32)
-        if self.column_scale is not None:
-            w = w / self.column_scale[None, :]
-        if self.row_scale is not None:
-            w = w * self.row_scale[:, None]
-        return w.to(dtype)
 
 
 @torch.inference_mode()
@@ -54,38 +34,9 @@ def quantize_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Te
 
     The layer itself is left unchanged (AWQ works on a copy).
     """
-    if method not in BLOCK_METHODS:
-        raise PaperbackError(f"unknown method '{method}' (choose from {', '.join(BLOCK_METHODS)})")
-    return BLOCK_METHODS[method](layer, family, x, cos, sin, scheme, awq or AWQConfig(), gptq or GPTQConfig())
-
-
-def _rtn_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
-    return {name: EffectiveWeight(quantize_rtn(layer.get_submodule(name).weight, scheme)) for name in BLOCK_LINEARS}
-
-
-def _gptq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
-    readers = sorted({input_reader(name) for name in BLOCK_LINEARS})
-    inputs = capture_inputs(layer, x, cos, sin, readers)
-    hessians = {}
-    for name in readers:
-        acc = HessianAccumulator(layer.get_submodule(name).in_features)
-        acc.add_batch(inputs[name])
-        hessians[name] = acc.H
-    return {name: EffectiveWeight(gptq_quantize(layer.get_submodule(name).weight, hessians[input_reader(name)],
-                                                scheme, gptq))
-            for name in BLOCK_LINEARS}
-
-
-def _awq_block(layer, family, x, cos, sin, scheme, awq, gptq) -> dict[str, EffectiveWeight]:
-    work = copy.deepcopy(layer)
-    folded: dict[str, torch.Tensor] = {}
-    results = awq_block(work, family, x, cos, sin, list(BLOCK_LINEARS), scheme, awq, folded)
-    column = {}
-    for group in scale_groups(family, layer):
-        if group.prev in folded:
-            for name in group.linears:
-                column[name] = folded[group.prev]
-    return {name: EffectiveWeight(q, column.get(name), folded.get(name)) for name, q in results.items()}
+    if method not in METHODS:
+        raise PaperbackError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+    return METHODS[method].block(layer, family, x, cos, sin, scheme, awq or AWQConfig(), gptq or GPTQConfig())
 
 
 @torch.inference_mode()
@@ -117,6 +68,3 @@ def unit_weights(effective: dict[tuple[str, str], dict[str, EffectiveWeight]], u
     names = BLOCK_UNITS[unit.name.rsplit(".", 1)[1]]
     return {f"model.layers.{unit.layer}.{n}.weight": pieces[n].weight() for n in names}
 
-
-# Each weight method (paperback.quantization.model_pass.METHODS) on one block from its exact inputs.
-BLOCK_METHODS = {"rtn": _rtn_block, "gptq": _gptq_block, "awq": _awq_block}

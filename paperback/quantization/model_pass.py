@@ -19,18 +19,16 @@ from paperback.errors import PaperbackError
 from paperback.models import DecoderLM
 from paperback.progress import progress as stage_progress
 from paperback.quantization.awq import AWQConfig, awq_block
+from paperback.quantization.block_forms import awq_block_form, gptq_block_form, rtn_block_form
+from paperback.quantization.expert_forms import gptq_expert_form, rtn_expert_form
 from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
 from paperback.quantization.head_bands import BandedWeight, HeadBands, quantize_banded
+from paperback.quantization.linears import (BLOCK_LINEARS, EDGE_TARGETS, EMBED_PARAM, HEAD_PARAM,
+                                            SEQUENTIAL_GROUPS, input_reader)
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 from paperback.quantization.scheme import QuantScheme
 
-BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-# Outside the blocks: the token embedding and the output head. On a tied model
-# they are one matrix, so selecting either quantizes it for both.
-EDGE_TARGETS = ("embed", "head")
-EMBED_PARAM, HEAD_PARAM = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def parse_targets(spec: str) -> tuple[str, ...]:
@@ -50,23 +48,13 @@ def parse_targets(spec: str) -> tuple[str, ...]:
     if not targets:
         raise PaperbackError("no quantization targets given")
     return tuple(dict.fromkeys(targets))
-# The order a block's linears run in, grouped by the input they share (true-sequential GPTQ).
-SEQUENTIAL_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
 
 
 class _InputsCaptured(Exception):
     """Raised by a capture hook to stop a block's forward once the wanted inputs are seen."""
 
 
-# Linears that read the same input share one Hessian: accumulated once, not once per linear.
-INPUT_OF = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
-
-
-def input_reader(name: str) -> str:
-    """The linear whose input Hessian `name` shares ("mlp.experts.3.up_proj" -> "mlp.experts.3.gate_proj")."""
-    path, _, kind = name.rpartition(".")
-    return f"{path}.{INPUT_OF.get(kind, kind)}"
 
 
 def expanded(kind: str, layer: nn.Module) -> list[str]:
@@ -324,19 +312,23 @@ def _awq_pass(model: DecoderLM, config: QuantizeConfig, calibration: torch.Tenso
 
 @dataclass(frozen=True)
 class WeightMethod:
-    """One weight quantization method: how it walks a model, whether it needs calibration text, and the
-    settings a checkpoint's recipe records for it. The profiler's per-block form of each method is in
-    paperback.allocate.quantized_units.BLOCK_METHODS; a new method is an entry here and one there."""
+    """One weight quantization method in each of its forms: the model pass (quantize a whole model in place),
+    the block form (one block's linears from its exact inputs: what a profile prices), the expert form (one MoE
+    expert's projections from the tokens routed to it: what bits per expert are chosen from; None where the
+    method has none), whether it needs calibration text, and the settings a checkpoint's recipe records."""
 
     name: str
     model_pass: Callable[..., None]  # (model, config, calibration, bar, results): quantize in place
+    block: Callable[..., dict]  # (layer, family, x, cos, sin, scheme, awq, gptq) -> {linear: EffectiveWeight}
+    expert: Callable[..., dict] | None  # (weights, x, act, scheme, gptq) -> {projection: QuantizedWeight}
     calibrated: bool
     recipe: Callable[[QuantizeConfig, str], dict | None] = lambda config, forward_dtype: None
 
 
 METHODS: dict[str, WeightMethod] = {m.name: m for m in (
-    WeightMethod("rtn", _rtn_pass, calibrated=False),
-    WeightMethod("gptq", _gptq_pass, calibrated=True,
+    WeightMethod("rtn", _rtn_pass, rtn_block_form, rtn_expert_form, calibrated=False),
+    WeightMethod("gptq", _gptq_pass, gptq_block_form, gptq_expert_form, calibrated=True,
                  recipe=lambda config, dtype: {"gptq": {**asdict(config.gptq), "forward_dtype": dtype}}),
-    WeightMethod("awq", _awq_pass, calibrated=True, recipe=lambda config, dtype: {"awq": config.awq.to_dict()}),
+    WeightMethod("awq", _awq_pass, awq_block_form, None, calibrated=True,
+                 recipe=lambda config, dtype: {"awq": config.awq.to_dict()}),
 )}

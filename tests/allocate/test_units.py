@@ -72,9 +72,15 @@ def test_effective_weights_reproduce_the_quantized_block(tiny_lm, method):
         assert 0 < err < 0.25  # quantized, and close: a 3-bit error, not a wrong basis
 
 
-def test_every_weight_method_has_its_per_block_form():
-    """A weight method is an entry in the model pass's registry and one in the profiler's."""
-    from paperback.allocate.quantized_units import BLOCK_METHODS
+def test_every_weight_method_is_one_object_with_its_model_block_and_expert_forms():
+    """A new weight method is one entry: its model pass, its block form (what a profile prices), and its expert
+    form where it has one (what bits per expert are chosen from); AWQ has no expert form and is refused by name."""
+    from paperback.allocate.experts import quantize_candidates
     from paperback.quantization.model_pass import METHODS
 
-    assert set(BLOCK_METHODS) == set(METHODS)
+    assert set(METHODS) == {"rtn", "gptq", "awq"}
+    for method in METHODS.values():
+        assert callable(method.model_pass) and callable(method.block)
+    assert [m.name for m in METHODS.values() if m.expert is None] == ["awq"]
+    with pytest.raises(PaperbackError, match="expert candidates are quantized by rtn or gptq, not 'awq'"):
+        quantize_candidates(None, {}, [], method="awq")
