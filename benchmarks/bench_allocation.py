@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 
-from paperback.allocate.allocation import Allocator, Workload  # noqa: E402
+from paperback.allocate.allocation import Allocator, Workload, banded_or_plain  # noqa: E402
 from paperback.allocate.baselines import llama_cpp_mix, param_shapes, policy_bytes, uniform_policy  # noqa: E402
 from paperback.allocate.profile import PROFILE_AWQ, ProfileConfig, Profiler  # noqa: E402
 from paperback.allocate.candidates import (DEFAULT_CANDIDATES, EVEN_MARGIN, second_pass_candidates,  # noqa: E402
@@ -57,18 +57,21 @@ POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
 
 def paperback_policy(allocator: Allocator, budget: int, second: ShippedSecondPass, count: int, quantize
-                     ) -> tuple[dict, list, ShippedCandidate]:
+                     ) -> tuple[dict, list, ShippedCandidate, list]:
     """The allocation over weight units alone, within `budget` bytes of allocated units: the best `count`
     solutions by head scheme and the even-bits one, each quantized by `quantize(model, policy)` and measured
-    whole on the profiled part of the text; the policy, the candidates and the kept model."""
-    candidates = second_pass_candidates(allocator.weight_groups(), budget, count, allocator.layout_bytes)
+    whole on the profiled part of the text; the policy, the candidates, the kept model and the units it assigns.
+    The head is whole where its bands cannot meet the budget, as in `fit` (banded_or_plain)."""
+    allocator, candidates = banded_or_plain(allocator, lambda a: second_pass_candidates(
+        a.weight_groups(), budget, count, a.layout_bytes))
 
     def policy_of(candidate) -> dict:
         return {p: allocator.schemes[candidate.chosen[u.name].label] for u in allocator.units for p in u.params}
 
     best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")),
                          lambda model, c: quantize(model, policy_of(c)))
-    return policy_of(best.candidate), [{**c.summary(), "chosen": c is best.candidate} for c in candidates], best
+    return (policy_of(best.candidate), [{**c.summary(), "chosen": c is best.candidate} for c in candidates], best,
+            allocator.units)
 
 
 def predicted_kl(kl: dict, units, policy: dict) -> float | None:
@@ -158,18 +161,17 @@ def main() -> None:
 
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
-        # Each policy: ({param: scheme}, the second pass's candidates or None, its kept model or None).
-        policies = {"uniform": lambda: (uniform_policy(units, allocator.schemes[label]), None, None),
+        # Each policy: ({param: scheme}, the second pass's candidates or None, its kept model or None, its units).
+        policies = {"uniform": lambda: (uniform_policy(units, allocator.schemes[label]), None, None, units),
                     "llama.cpp": lambda: (llama_cpp_mix(units, full.config.num_layers, candidates, budget), None,
-                                          None),
+                                          None, units),
                     **{name: lambda name=name: paperback_policy(allocators[name], budget, second_passes[name],
                                                                 args.candidates, quantize)
                        for name in allocators}}
         for name in args.policies:
             if (label, name) in cells:
                 continue
-            policy, second_pass, shipped = policies[name]()
-            policy_units = allocators[name].units if name in allocators else units
+            policy, second_pass, shipped, policy_units = policies[name]()
             used = policy_bytes(param_shapes(policy_units), policy)
             if not 0.99 * budget <= used <= budget:
                 raise SystemExit(f"{name} at {label}: {used} bytes is not within 1% below {budget}")

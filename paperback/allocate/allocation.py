@@ -19,7 +19,9 @@ layer's option do not depend on the others'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from paperback.allocate.candidates import Candidate, second_pass_candidates
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
@@ -33,6 +35,8 @@ from paperback.plan.shape import shape_from_config
 from paperback.quantization.head_bands import (MIN_BAND_BITS, HeadBands, band_rows, decode_band_of, split_head_bands,
                                                stored_layout_bytes)
 from paperback.quantization.scheme import QuantScheme
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class Allocator:
                  band_min_bits: int = MIN_BAND_BITS):
         """head_bands: a tied head whose profile measured its bands of vocabulary rows is allocated band by
         band (quantization.head_bands), each band at band_min_bits or more; False keeps it one unit."""
-        self.profile, self.workload = profile, workload
+        self.profile, self.workload, self._model = profile, workload, model
         self.band_min_bits = band_min_bits
         self.config: ModelConfig = model.config
         units = profile["weights"]["units"]
@@ -114,6 +118,10 @@ class Allocator:
         self.block_size = pool_block_size(list(self.formats.values()))
         self.fixed_bytes = fixed_weight_bytes(model, self.units)
         self.runtime = runtime_allowance(shape_from_config(self.config, "", ""), users=workload.users).total
+
+    def with_plain_head(self) -> Allocator:
+        """The same allocator with the head as one unit (any scheme, no bands)."""
+        return Allocator(self.profile, self._model, self.workload, head_bands=False)
 
     @property
     def layout_bytes(self) -> int:
@@ -302,19 +310,26 @@ def head_label(weights: dict[str, str]) -> str | None:
     return "in bands of vocabulary rows, most used first: " + ", ".join(label for _, label in bands)
 
 
-def fitting_candidates(profile: dict, model, workload: Workload, count: int, head_bands: bool = True,
-                       **options) -> tuple[Allocator, list[Candidate]]:
-    """The allocator and its second-pass candidates (`Allocator.candidates`, `options` passed on). Head bands
-    stop at MIN_BAND_BITS, so a budget that only a plain head at fewer bits reaches (check_budget counts
-    that head) is met with the head as one unit rather than refused after the profile."""
-    allocator = Allocator(profile, model, workload, head_bands)
+def banded_or_plain(allocator: Allocator, solve: Callable[[Allocator], T]) -> tuple[Allocator, T]:
+    """(allocator, solve(allocator)); where its head bands cannot meet the budget, the same with the head as one
+    unit. Head bands stop at MIN_BAND_BITS, so a budget that only a plain head at fewer bits reaches
+    (check_budget counts that head) is met with the head whole rather than refused: the one rule `fit` and the
+    benchmarks share."""
     try:
-        return allocator, allocator.candidates(count, **options)
+        return allocator, solve(allocator)
     except InfeasibleBudget:
         if allocator.band_of is None:
             raise
-    plain = Allocator(profile, model, workload, head_bands=False)
-    return plain, plain.candidates(count, **options)
+    plain = allocator.with_plain_head()
+    return plain, solve(plain)
+
+
+def fitting_candidates(profile: dict, model, workload: Workload, count: int, head_bands: bool = True,
+                       **options) -> tuple[Allocator, list[Candidate]]:
+    """The allocator and its second-pass candidates (`Allocator.candidates`, `options` passed on), the head
+    whole where its bands cannot meet the budget (banded_or_plain)."""
+    return banded_or_plain(Allocator(profile, model, workload, head_bands),
+                           lambda allocator: allocator.candidates(count, **options))
 
 
 def breakdown_point(curve: list[dict], max_kl: float) -> dict | None:

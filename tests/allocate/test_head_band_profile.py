@@ -194,7 +194,8 @@ def test_bands_ranked_another_way_are_measured_again(tied_profile, tied_lm, char
 
 def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one_unit(tied_profile, tied_lm):
     """check_budget counts the head at W2, bands stop at 3 bits: fit must not refuse what it let through."""
-    from paperback.allocate.allocation import check_budget, fitting_candidates
+    from paperback.allocate.allocation import banded_or_plain, check_budget, fitting_candidates
+    from paperback.allocate.candidates import second_pass_candidates
     from paperback.allocate.solver import InfeasibleBudget, min_bytes
 
     _, data = tied_profile
@@ -213,3 +214,9 @@ def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one
     assert allocator.allocation_of(candidates[0]).total_bytes <= workload.memory
     with pytest.raises(InfeasibleBudget):  # below every plain head too: still refused
         fitting_candidates(data, tied_lm.model, Workload(int(plain_min) - 1, 128, 1), 2)
+    # The benchmarks' weights-only solve keeps the same rule (banded_or_plain)
+    weights_plain, weights_banded = min_bytes(plain.weight_groups()), min_bytes(probe.weight_groups())
+    budget = (weights_plain + weights_banded) // 2
+    used, found = banded_or_plain(probe, lambda a: second_pass_candidates(a.weight_groups(), budget, 2,
+                                                                          a.layout_bytes))
+    assert used.band_of is None and found[0].chosen["head"].label == "W2a-g64"
