@@ -83,6 +83,9 @@ def run() -> int:
                         help="fit without holding the file to its recipe's speed in llama.cpp")
     parser.add_argument("--recompute", action="store_true", help="remake every file instead of reusing it")
     parser.add_argument("--replot", action="store_true", help="print the tables and redraw the plot from the JSON")
+    parser.add_argument("--retime", action="store_true",
+                        help="time the files of the JSON's run again (--speed alone, no fitting or scoring) and "
+                             "replace its speed rows: for a speed run that other work on the machine disturbed")
     add_tag_arg(parser)
     args = parser.parse_args()
     stem = results_name("gguf_recipes", args.tag).removesuffix(".json")
@@ -91,6 +94,8 @@ def run() -> int:
         print_tables(saved["rows"], saved["speed"])
         plot(saved["rows"], RESULTS / f"{stem}.png")
         return 0
+    if args.retime:
+        return retime(args, stem)
 
     from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
     from paperback.allocate.gguf_speed import SpeedSettings
@@ -180,6 +185,36 @@ def run() -> int:
         "llamacpp": "llama-cpp-python 0.3.36's vendored llama.cpp", "context": 512, "chunks": args.chunks,
         "calibration": calib_config.to_dict(), "rows": rows, "fits": fits, "speed": speeds})
     plot(rows, RESULTS / f"{stem}.png")
+    return 0
+
+
+def retime(args, stem: str) -> int:
+    """The speed rows of a saved run measured again on the same files (the imatrix recipe and each fit of every
+    size, as the run wrote them); its KLD rows and fits are kept, the new speed's provenance recorded beside."""
+    from paperback.allocate.gguf_fit import GGUFFitConfig
+
+    saved = json.loads((RESULTS / f"{stem}.json").read_text())
+    calib_config = GGUFFitConfig(calib_samples=args.calib_samples).calibration()
+    tag = f"{args.calib_samples}-span{calib_config.span:g}"
+    warn_if_busy()
+    speeds = []
+    for model in args.models:
+        work = WORK / model
+        for recipe in args.recipes:
+            timed = {IMATRIX: work / f"llamacpp-{recipe}-imatrix-{tag}.gguf",
+                     **{f"paperback fit ({method})": work / f"fit-{recipe}-{method}-{tag}.gguf"
+                        for method in args.fits}}
+            missing = [str(path) for path in timed.values() if not path.exists()]
+            if missing:
+                raise SystemExit(f"--retime needs the run's files; missing: {', '.join(missing)}")
+            for tool, measured in interleaved_speed(timed, args.threads, args.speed_rounds, IMATRIX).items():
+                speeds.append({"model": model, "recipe": recipe, "tool": tool,
+                               "bytes": timed[tool].stat().st_size, **measured})
+    warn_if_busy(args.threads)
+    saved["speed"] = speeds
+    saved["speed_provenance"] = provenance(args.threads)
+    print_tables(saved["rows"], speeds)
+    write_results(f"{stem}.json", saved)
     return 0
 
 

@@ -108,7 +108,7 @@ class Fit:
         """reference_lm: the full model, loaded separately (the fitted one is quantized in place)."""
         t0 = time.perf_counter()
         if self.profile is None:
-            self._stage("profiling: KL per weight unit and KV layer")
+            self._stage("profile: KL per weight unit and KV layer (reused where cached or shipped with paperback)")
             self.profile = self.profiler.run()
         self.seconds["profile"] = time.perf_counter() - t0
         cfg = self.config

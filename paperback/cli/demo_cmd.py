@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from paperback.allocate.candidates import DEFAULT_CANDIDATES
 from paperback.cli.common import add_model_arg
 from paperback.cli.output import console, note, print_table, stage
 
@@ -28,6 +29,11 @@ def register(sub) -> None:
                    help="where the fitted checkpoint goes (default ~/.cache/paperback/demo/MODEL-fit)")
     p.add_argument("--eval-windows", type=int, default=8, help="WikiText-2 windows of 512 tokens to score")
     p.add_argument("--skip-bench", action="store_true", help="skip the decode-speed comparison")
+    p.add_argument("--calib-samples", type=int, default=8,
+                   help="calibration windows the fit quantizes with (its AWQ search reads them)")
+    p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
+                   help="solutions the fit quantizes and measures whole before keeping one (1: the solve alone)")
+    p.add_argument("--no-needles", action="store_true", help="skip the fit's needle retrieval at --context")
     p.set_defaults(func=run)
 
 
@@ -38,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     parser = build_parser()
     fit_argv = ["fit", args.model, "--memory", args.memory, "--context", str(args.context), "--users",
                 str(args.users), "-o", str(out), "--overwrite", "--eval-context", "1024", "--eval-windows", "2",
-                "--calib-samples", "8", "--needle-depths", "0.5"]
+                "--calib-samples", str(args.calib_samples), "--candidates", str(args.candidates),
+                *(["--no-needles"] if args.no_needles else ["--needle-depths", "0.5"])]
     console.rule(f"paperback {' '.join(fit_argv[:2])} --memory {args.memory} --context {args.context} "
                  f"--users {args.users}")
     fit_args = parser.parse_args(fit_argv)

@@ -167,7 +167,23 @@ def test_fit_with_a_profile_of_other_text_is_refused(tiny_dir, tmp_path, cache, 
     assert code == 2 and "other text" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+def test_the_main_job_runs_in_a_reduced_form(tmp_path, capsys):
+    """`paperback demo` as the README's first command runs it, on the same code path with less work: one
+    calibration window, the solve's own answer (no second pass), one scored window, no needles, no speed row.
+    Off a terminal it says a line per stage."""
+    out = tmp_path / "demo-fit"
+    assert main(["demo", "--output", str(out), "--eval-windows", "1", "--skip-bench", "--calib-samples", "1",
+                 "--candidates", "1", "--no-needles"]) == 0
+    fit = json.loads((out / "fit.json").read_text())
+    assert fit["seconds"]["profile"] < 5  # the shipped profile, reused
+    assert fit["allocation"]["total_bytes"] <= 2 ** 30 and (out / "report.html").exists()
+    assert fit["quality"]["eval"]["kl_divergence"] < 0.05
+    captured = capsys.readouterr()
+    assert "the full model beside the fitted one" in captured.out and "WikiText-2 perplexity" in captured.out
+    assert "[fit] solving the budget" in captured.err and "[paperback] WikiText-2: the full model" in captured.err
+
+
+@pytest.mark.slow  # the demo as a user runs it: two candidates quantized by AWQ on 8 windows, needles at 8,192
 def test_demo_fits_the_default_model_from_its_shipped_profile(tmp_path, capsys):
     """The main job: SmolLM2 fitted into 1 GiB for 8 x 8,192 tokens (no profiling: the profile ships)."""
     out = tmp_path / "demo-fit"
