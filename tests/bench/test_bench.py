@@ -54,6 +54,9 @@ def test_bench_runs_in_a_worker_and_reports_every_metric():
     report = run_bench(cfg, peers=())
     json.dumps(report)
     assert report["config"]["decode_activations"] == "int8"  # recorded with the figures
+    assert report["kernels"]["simd"] and set(report["kernels"]["built"]) == {"packed weights", "paged attention",
+                                                                             "fused decode"}
+    assert report["cpu"]["model"]
     pb = report["engines"]["paperback"]
     # an fp16 cache under the fp32 model: half the cache bytes a step reads, in the roofline too
     assert pb["model"]["kv_cache_dtype"] == "float16"
