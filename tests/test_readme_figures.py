@@ -60,3 +60,31 @@ def test_the_gguf_table_matches_its_json():
         prompt, generate = (float(x) for x in re.findall(r"([\d.]+)x", row[4]))
         fit = speed[recipe, "paperback fit (rtn)"]
         assert (prompt, generate) == (round(fit["prompt"]["ratio"], 2), round(fit["generate"]["ratio"], 2)), recipe
+
+
+# README's row names for benchmarks/results/llamacpp_smollm2.json's rows (2 threads)
+LLAMACPP_ROWS = {"llama.cpp, bundled Q4_1 GGUF": "llama.cpp bundled GGUF",
+                 "paperback W4a-g32 (Q4_1's bytes), fp32 activations": "paperback W4a-g32 fp32-act",
+                 "paperback W4a-g32, int8 activations": "paperback W4a-g32 int8-act",
+                 "paperback W4a-g128 with the head at W4, int8 activations": "paperback W4a-g128 head W4 int8-act",
+                 "the same with an f16 KV cache (`--kv-cache-dtype fp16`)":
+                     "paperback W4a-g128 head W4 int8-act, f16 KV"}
+
+
+def test_the_llamacpp_decode_table_matches_its_json():
+    result = json.loads((RESULTS / "llamacpp_smollm2.json").read_text())
+    rows = {r["row"]: r for r in result["rows"] if r["threads"] == 2}
+    for cells in readme_table("2 threads | prefill tok/s"):
+        row = rows[LLAMACPP_ROWS[cells[0]]]
+        assert int(cells[1].split()[0].replace(",", "")) == round(row["prefill_tokens_per_s"]), cells[0]
+        assert float(cells[2].split()[0]) == round(row["decode_tokens_per_s"], 1), cells[0]
+        assert cells[3] == f"{round(100 * row['roofline_fraction'])}%", cells[0]
+        if row["batch8_scaling"] is not None:
+            assert cells[4] == f"{row['batch8_scaling']:.1f} ({row['batch8_roofline_scaling']:.1f})", cells[0]
+
+
+def test_the_serving_ratios_match_their_json():
+    throughput = json.loads((RESULTS / "serving_smollm2.json").read_text())["throughput"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"{throughput['speedup']:.2f}x transformers' output tokens/s" in readme
+    assert f"and {throughput['user_speedup']:.2f}x with the W4 checkpoint" in readme
