@@ -102,23 +102,7 @@ def cpu_model() -> str:
 
 
 def provenance(threads: int) -> dict:
-    """What a result was measured on: command line, git commit, CPU, threads, date (UTC)."""
-    import datetime
-    import os
+    """What a result was measured on: command line, git commit, CPU, threads, kernel path, date (UTC)."""
+    from paperback.system import provenance as measured_on
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
-    try:  # the kernels' SIMD path and which were built (absent where paperback is not importable: a peer's env)
-        from paperback.system import kernel_summary
-
-        kernels = kernel_summary()
-    except ImportError:
-        kernels = None
-    return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit + ("+dirty" if dirty else ""),
-            "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads, "kernels": kernels,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return measured_on(threads)

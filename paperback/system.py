@@ -129,3 +129,24 @@ def require_kernels() -> None:
     if missing:
         raise SystemExit(f"paperback installed without {len(missing)} of its C kernels: without them "
                          f"{missing[0].without}. Install gcc (and the Python headers), then {FIX}")
+
+
+def provenance(threads: int | None = None, argv: list[str] | None = None) -> dict:
+    """What a measured result ran on: its command line, the git commit of the tree (with "+dirty" for uncommitted
+    changes; "unknown" outside a checkout), the CPU, cores, threads, the kernels' path, and the date (UTC)."""
+    import datetime
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    argv = sys.argv if argv is None else argv
+    return {"command": " ".join([Path(argv[0]).name, *argv[1:]]), "commit": commit + ("+dirty" if dirty else ""),
+            "cpu": cpu_facts()["model"], "cores": os.cpu_count(),
+            "threads": threads if threads is not None else torch.get_num_threads(), "kernels": kernel_summary(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

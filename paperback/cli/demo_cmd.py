@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
                    help="solutions the fit quantizes and measures whole before keeping one (1: the solve alone)")
     p.add_argument("--no-needles", action="store_true", help="skip the fit's needle retrieval at --context")
+    p.add_argument("--results", type=Path, default=None,
+                   help="also write the comparison as JSON here (it is always written as demo.json beside the "
+                        "fitted checkpoint), with what it ran on: command, commit, CPU, threads, kernels, date")
     p.set_defaults(func=run)
 
 
@@ -97,6 +100,14 @@ def _compare(args: argparse.Namespace, out: Path) -> None:
             ["WikiText-2 perplexity", f"{reference.perplexity:.3f}", f"{light.perplexity:.3f}"],
             ["KL to the full model (nats/token)", "0", f"{light.kl_divergence:.4f}"],
             ["top-1 agreement", "1", f"{light.top1_agreement:.3f}"]]
+    measured = {"model": full.source.label, "budget_bytes": budget, "users": args.users, "context": args.context,
+                "bits_per_weight": allocation["bits_per_weight"],
+                "full": {"weight_bytes": full_weights, "kv_bytes": full_kv, "runtime_bytes": runtime,
+                         "wikitext2": reference.to_dict()},
+                "fitted": {"weight_bytes": allocation["weight_bytes"], "kv_bytes": allocation["kv_bytes"],
+                           "runtime_bytes": runtime, "total_bytes": allocation["total_bytes"],
+                           "wikitext2": light.to_dict(), "held_out": fit["quality"]["eval"],
+                           "predicted_kl": fit["quality"]["predicted_kl"]}}
     if not args.skip_bench:
         from paperback.bench.engines import BenchConfig
         from paperback.bench.report import run_in_worker
@@ -108,11 +119,18 @@ def _compare(args: argparse.Namespace, out: Path) -> None:
                 speeds.append(result["decode"]["1"]["decode_tokens_per_s"])
         # `paperback bench` decodes through an exact contiguous cache: this row is the weights' speed.
         rows.append(["decode tokens/s, batch 1 (exact cache)", f"{speeds[0]:.1f}", f"{speeds[1]:.1f}"])
+        measured["full"]["decode_tokens_per_s"], measured["fitted"]["decode_tokens_per_s"] = speeds
     print_table(f"{full.source.label}: full (16-bit weights, fp16 cache) and fitted "
                 f"({allocation['bits_per_weight']:.2f} bits per weight, per-layer KV formats)",
                 ["", "full", "fitted"], rows)
     note(f"WikiText-2: {reference.tokens_scored:,} tokens in {reference.windows} windows of 512, never seen by the "
          f"fit. Report: {out / 'report.html'}")
+    from paperback.system import provenance
+
+    measured = {"provenance": provenance(), **measured}
+    for path in filter(None, (out / "demo.json", args.results)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured, indent=2))
 
 
 def _mib(n: float) -> str:
