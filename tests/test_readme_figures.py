@@ -88,3 +88,25 @@ def test_the_serving_ratios_match_their_json():
     readme = (ROOT / "README.md").read_text()
     assert f"{throughput['speedup']:.2f}x transformers' output tokens/s" in readme
     assert f"and {throughput['user_speedup']:.2f}x with the W4 checkpoint" in readme
+
+
+def test_the_demo_table_matches_its_json():
+    demo = json.loads((RESULTS / "demo_smollm2.json").read_text())
+    assert demo["provenance"]["commit"] and demo["provenance"]["cpu"]
+    rows = {cells[0]: cells[1:] for cells in readme_table("SmolLM2-135M, 8 users x 8,192 tokens")}
+
+    def mib(n: float) -> str:
+        return f"{n / 2 ** 20:,.0f} MiB"
+
+    full, fitted = demo["full"], demo["fitted"]
+    assert rows["weights"][0] == mib(full["weight_bytes"])
+    assert rows["weights"][1].startswith(mib(fitted["weight_bytes"]))
+    assert rows["KV cache"][0] == mib(full["kv_bytes"]) and rows["KV cache"][1].startswith(mib(fitted["kv_bytes"]))
+    assert rows["runtime allowance"] == [mib(full["runtime_bytes"]), mib(fitted["runtime_bytes"])]
+    assert rows["total"] == [mib(full["weight_bytes"] + full["kv_bytes"] + full["runtime_bytes"]),
+                             mib(fitted["total_bytes"])]
+    ppl = next(cells for name, cells in rows.items() if name.startswith("WikiText-2 perplexity"))
+    assert ppl == [f"{full['wikitext2']['perplexity']:.3f}", f"{fitted['wikitext2']['perplexity']:.3f}"]
+    assert rows["KL to the full model"][1].startswith(f"{fitted['wikitext2']['kl_divergence']:.4f} nats/token")
+    speed = rows["decode tokens/s, batch 1 (exact cache)"]
+    assert speed == [f"{full['decode_tokens_per_s']:.1f}", f"{fitted['decode_tokens_per_s']:.1f}"]

@@ -178,6 +178,9 @@ def test_the_main_job_runs_in_a_reduced_form(tmp_path, capsys):
     assert fit["seconds"]["profile"] < 5  # the shipped profile, reused
     assert fit["allocation"]["total_bytes"] <= 2 ** 30 and (out / "report.html").exists()
     assert fit["quality"]["eval"]["kl_divergence"] < 0.05
+    demo = json.loads((out / "demo.json").read_text())  # the comparison, with what it ran on
+    assert demo["provenance"]["cpu"] and demo["provenance"]["kernels"]["simd"]
+    assert demo["fitted"]["total_bytes"] == fit["allocation"]["total_bytes"] and demo["full"]["wikitext2"]["perplexity"]
     captured = capsys.readouterr()
     assert "the full model beside the fitted one" in captured.out and "WikiText-2 perplexity" in captured.out
     assert "[fit] solving the budget" in captured.err and "[paperback] WikiText-2: the full model" in captured.err
