@@ -11,7 +11,11 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def write_results(filename: str, payload: dict) -> Path:
-    """Write payload as indented JSON under benchmarks/results/ and say where."""
+    """Write payload as indented JSON under benchmarks/results/ and say where; every result records what it ran
+    on (`provenance`: command, commit, CPU, threads, kernel path, date), added here where the script did not."""
+    if "provenance" not in payload:
+        threads = payload.get("threads")
+        payload = {"provenance": provenance(threads if isinstance(threads, int) else None), **payload}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / filename
     out.write_text(json.dumps(payload, indent=2))
@@ -101,7 +105,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def provenance(threads: int) -> dict:
+def provenance(threads: int | None) -> dict:
     """What a result was measured on: command line, git commit, CPU, threads, kernel path, date (UTC)."""
     from paperback.system import provenance as measured_on
 
