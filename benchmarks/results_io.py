@@ -94,15 +94,9 @@ def warn_if_busy(own_threads: int = 0) -> float:
 
 def cpu_model() -> str:
     """The CPU's model name as /proc/cpuinfo gives it (else the platform's processor string, or "unknown")."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    from paperback.system import cpu_facts
 
-    return platform.processor() or "unknown"
+    return cpu_facts()["model"]
 
 
 def provenance(threads: int | None) -> dict:

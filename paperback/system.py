@@ -76,18 +76,26 @@ def simd_level() -> str:
     return kernel_simd()
 
 
-def cpu_facts() -> dict:
-    model, flags = platform.processor() or "unknown", set()
+def read_cpuinfo() -> tuple[str, str]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ("unknown", "") where it cannot be read."""
+    model, flags = "unknown", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model in ("unknown", platform.processor()):
+            if key.strip() == "model name" and model == "unknown":
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+                flags = value.strip()
     except OSError:
         pass
-    return {"model": model, "cores": os.cpu_count(), "simd_flags": [f for f in SIMD_FLAGS if f in flags]}
+    return model, flags
+
+
+def cpu_facts() -> dict:
+    model, flags = read_cpuinfo()
+    present = set(flags.split())
+    return {"model": model if model != "unknown" else platform.processor() or model, "cores": os.cpu_count(),
+            "simd_flags": [f for f in SIMD_FLAGS if f in present]}
 
 
 def kernel_summary() -> dict:

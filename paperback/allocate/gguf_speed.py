@@ -137,16 +137,9 @@ class SpeedTable:
 
 def cpu_signature() -> dict:
     """What a speed table holds for: the CPU's model name and its instruction set flags."""
-    model, flags = "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+    from paperback.system import read_cpuinfo
+
+    model, flags = read_cpuinfo()
     return {"model": model, "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
 
 
