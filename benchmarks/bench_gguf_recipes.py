@@ -66,12 +66,12 @@ def run() -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--recipes", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M", "Q4_0"])
-    parser.add_argument("--fits", nargs="*", default=["rtn"], choices=["rtn", "gptq"],
+    parser.add_argument("--fits", nargs="*", default=["rtn"], choices=["rtn", "gptq", "awq"],
                         help="methods of the `fit --format gguf` rows")
     parser.add_argument("--blind", action="store_true",
                         help="also fit without the types that reproduce the reference's own grids exactly (the "
                              "bundled references are quantized files): what the allocation adds by itself")
-    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq"], choices=["rtn", "gptq"],
+    parser.add_argument("--methods", nargs="*", default=["rtn", "gptq"], choices=["rtn", "gptq", "awq"],
                         help="methods of the rows at the recipe's own types")
     parser.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(TEXTS))
     parser.add_argument("--chunks", type=int, default=16, help="512-token windows llama-perplexity scores")

@@ -4,8 +4,12 @@ A GGUF fit prices each (tensor, type) cell alone, so every tensor is quantized f
 model gives it on the calibration windows: one forward records, per block, the input Hessian of each linear
 that reads a distinct input (q/k/v share one, gate/up another) and the head's from the final normed hidden
 state. RTN searches each type's stored scales weighted by that Hessian's diagonal (the mean squared
-activation, what `llama-imatrix` records); GPTQ uses the whole Hessian. Any mix of cells is then the full
-model with those weights swapped in, and the cells a fit chooses are the ones it writes.
+activation, what `llama-imatrix` records); GPTQ uses the whole Hessian. AWQ first searches each block's
+activation-aware scales (quantization.awq, judged at each tensor's `scale_types` type) and folds them into
+the norms and rows that produce the scaled inputs, which llama.cpp reads as ordinary F32 tensors: the model's
+full-precision function is unchanged, and its cells are then rounded as RTN's (the searched stored scales
+stand in for AWQ's clipping). Any mix of cells is then the full model with those weights swapped in, and the
+cells a fit chooses are the ones it writes.
 
 A cell's `error` is the mean squared change of its tensor's output on the calibration inputs,
 tr(dW H dW^T) / 2 with H = 2/n X^T X: what a fit scales into KL (allocate.gguf_prices).
@@ -18,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.quantization.awq import AWQConfig, search_block_scales
 from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.gguf_weight import GGUFWeight
 from paperback.quantization.gptq import GPTQConfig, HessianAccumulator, gptq_quantize
@@ -25,7 +30,7 @@ from paperback.quantization.model_pass import (BLOCK_LINEARS, EMBED_PARAM, HEAD_
                                                autocast_dtype, input_reader)
 from paperback.quantization.rtn import quantize_rtn
 
-CELL_METHODS = ("rtn", "gptq")  # what quantizes onto a GGUF grid per tensor (AWQ folds scales across tensors)
+CELL_METHODS = ("rtn", "gptq", "awq")  # what quantizes onto a GGUF grid
 ERROR_ROWS = 8192  # rows of a weight whose output error is computed at once (a vocabulary-sized head is large)
 
 
@@ -41,16 +46,26 @@ def layer_of(param: str) -> int | None:
 
 
 class GGUFCells:
-    """{(param, type): GGUFWeight} on demand, each from the full model's inputs on `calibration` (N, L)."""
+    """{(param, type): GGUFWeight} on demand, each from the full model's inputs on `calibration` (N, L).
+    method "awq" folds its scales into `model` in place (same function in full precision); `scale_types`
+    {param: GGUF type} is the type each block linear's scale is searched at (a fit's anchor types, or the
+    types a file is written at)."""
 
     def __init__(self, model, calibration: torch.Tensor, method: str = "rtn", gptq: GPTQConfig = GPTQConfig(),
-                 batch_size: int = 8):
+                 batch_size: int = 8, awq: AWQConfig = AWQConfig(),
+                 scale_types: dict[str, GGUFType] | None = None):
         if method not in CELL_METHODS:
-            raise PaperbackError(f"a GGUF fit quantizes by {' or '.join(CELL_METHODS)}, not '{method}'")
-        self.model, self.method, self.gptq = model, method, gptq
+            raise PaperbackError(f"a GGUF fit quantizes by {', '.join(CELL_METHODS)}, not '{method}'")
+        if method == "awq":
+            model.config.require_dense("AWQ")
+            if scale_types is None:
+                raise PaperbackError("AWQ onto GGUF types needs the type each scale is searched at")
+        self.model, self.method, self.gptq, self.awq = model, method, gptq, awq
+        self.scale_types = scale_types or {}
         self.params = dict(model.named_parameters())
         self.tied = model.lm_head is None
         self._cells: dict[tuple[str, str], GGUFWeight] = {}
+        self.folded: dict[str, torch.Tensor] = {}  # {module name: the AWQ scale folded into it}
         self._hessians = self._measure(calibration, batch_size)
 
     @torch.inference_mode()
@@ -66,6 +81,8 @@ class GGUFCells:
         hessians = {}
         for idx, layer in enumerate(model.model.layers):
             cos, sin = model.rotary_for(idx)(positions, model.dtype)
+            if self.method == "awq":
+                self._fold_scales(idx, layer, hidden, cos, sin)
             accumulators = {name: HessianAccumulator(layer.get_submodule(name).in_features) for name in readers}
             hooks = [layer.get_submodule(name).register_forward_pre_hook(
                 lambda _m, args, acc=acc: acc.add_batch(args[0])) for name, acc in accumulators.items()]
@@ -82,6 +99,14 @@ class GGUFCells:
             head.add_batch(model.model.norm(x))
         hessians[EMBED_PARAM if self.tied else HEAD_PARAM] = head.H
         return hessians
+
+    def _fold_scales(self, idx: int, layer, hidden: list[torch.Tensor], cos, sin) -> None:
+        """AWQ's scales for block `idx`, searched on its first `search_samples` input windows, folded in."""
+        x = torch.cat(hidden)[: self.awq.search_samples]
+        schemes = {name: self.scale_types[block_param(idx, name)] for name in BLOCK_LINEARS}
+        folded = search_block_scales(layer, self.model.config.family, x, cos, sin, list(BLOCK_LINEARS), schemes,
+                                     self.awq, weighted=True)
+        self.folded.update({f"model.layers.{idx}.{prev}": s for prev, s in folded.items()})
 
     def hessian(self, param: str) -> torch.Tensor | None:
         """The Hessian of `param`'s inputs; None for an untied embedding, which has no input activations

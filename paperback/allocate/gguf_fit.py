@@ -27,7 +27,7 @@ import torch
 
 from paperback.allocate.gguf_budget import GGUFBudget, candidate_types, gguf_budget, tensor_candidates
 from paperback.allocate.gguf_cells import CELL_METHODS, GGUFCells, layer_of
-from paperback.allocate.gguf_prices import ANCHOR_BITS, costs, exact_types, price_cells
+from paperback.allocate.gguf_prices import ANCHOR_BITS, anchor_type, costs, exact_types, price_cells
 from paperback.allocate.gguf_speed import PHASES, SpeedSettings, SpeedTable, measure_speed, time_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
@@ -36,6 +36,7 @@ from paperback.export.gguf_quantize import ROLES, gguf_types_for, tensor_bytes, 
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch
 from paperback.quantization.gguf_recipes import RECIPES, recipe
 from paperback.quantization.gguf_types import GGUF_TYPES, QUANTIZED_TYPES, GGUFType
+from paperback.quantization.awq import AWQConfig
 from paperback.quantization.gptq import GPTQConfig
 from paperback.quantization.model_pass import HEAD_PARAM
 
@@ -61,11 +62,11 @@ class GGUFFitConfig:
     eval_windows: int = 4
     eval_context: int = 512
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    awq: AWQConfig = field(default_factory=AWQConfig)
 
     def __post_init__(self):
         if self.method not in CELL_METHODS:
-            raise PaperbackError(f"a GGUF fit quantizes by {' or '.join(CELL_METHODS)}; AWQ onto GGUF's types is "
-                                 f"not built yet (got '{self.method}')")
+            raise PaperbackError(f"a GGUF fit quantizes by {', '.join(CELL_METHODS)}, not '{self.method}'")
         candidate_types(self.types)
         for name in ("calib_samples", "window_tokens", "probe_windows", "probe_tokens", "check_windows",
                      "eval_windows", "eval_context"):
@@ -88,7 +89,8 @@ class GGUFFitConfig:
         return {"version": PRICES_VERSION, "method": self.method, "types": list(self.types),
                 "calibration": self.calibration().to_dict(), "probe": self.probe().to_dict(),
                 "anchor_bits": self.anchor_bits, "check_samples": self.check_samples,
-                "gptq": asdict(self.gptq) if self.method == "gptq" else None}
+                "gptq": asdict(self.gptq) if self.method == "gptq" else None,
+                **({"awq": self.awq.to_dict()} if self.method == "awq" else {})}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,7 +211,10 @@ class GGUFFit:
                                f"{len(held_out)} tokens, fewer than one evaluation window of {cfg.eval_context}")
         t0 = time.perf_counter()
         self._stage(f"input statistics on {cfg.calib_samples} windows of {cfg.window_tokens} tokens of {cfg.text}")
-        cells = GGUFCells(lm.model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq)
+        # AWQ's scales are searched at each tensor's anchor: the type its other prices are scaled from
+        anchors = {param: anchor_type(kinds, cfg.anchor_bits) for param, kinds in self.priced.items()}
+        cells = GGUFCells(lm.model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq,
+                          awq=cfg.awq, scale_types=anchors)
         self.seconds["statistics"] = time.perf_counter() - t0
         settings = {**cfg.price_settings(), "types": sorted({k.name for ks in self.priced.values() for k in ks})}
         key = hashlib.sha256(json.dumps({"model": model_fingerprint(lm.model), "text": text_fingerprint(self.text),

@@ -68,7 +68,7 @@ def register(sub) -> None:
                    help="your text (file or data set name): its first half is profiled and calibrated on, the "
                         "rest is held out for evaluation (default: the Python documentation)")
     p.add_argument("--method", choices=METHODS, default=None,
-                   help="weight method (default awq; rtn with --format gguf, which takes rtn or gptq)")
+                   help="weight method (default awq; rtn with --format gguf, which takes rtn, gptq or awq)")
     p.add_argument("--weight-schemes", default=",".join(DEFAULT_WEIGHT_SCHEMES), help="candidate weight schemes")
     p.add_argument("--kv-formats", default=",".join(DEFAULT_KV_FORMATS), help="candidate KV formats")
     p.add_argument("--profile", type=Path, default=None,

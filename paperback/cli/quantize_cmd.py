@@ -60,7 +60,8 @@ def register(sub) -> None:
                         "Q3_K_M, Q5_K_M, Q4_0, ...: its type for every tensor, as llama-quantize chooses them) or "
                         "one GGUF type for every tensor (Q4_K, Q6_K, Q8_0, F16, F32, ...; llama.cpp's stand-in "
                         "where a type cannot tile a row). --method rtn (scales searched, weighted by the "
-                        "calibration text's activations, like an importance matrix) or gptq onto those grids "
+                        "calibration text's activations, like an importance matrix), gptq or awq (its scales folded "
+                        "into the norms before each linear) onto those grids "
                         "(default: off)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     add_json_arg(p)
@@ -97,8 +98,6 @@ def _run_gguf(args: argparse.Namespace, parser_defaults: dict) -> int:
     if changed:
         raise PaperbackError(f"--{changed[0].replace('_', '-')} chooses paperback's own schemes; --gguf gives every "
                              "tensor a GGUF type instead")
-    if args.method == "awq":
-        raise PaperbackError("--gguf quantizes by rtn or gptq; AWQ onto GGUF's types is not built yet")
     if args.gguf.upper() not in RECIPES and args.gguf.upper() not in GGUF_TYPES:
         raise PaperbackError(f"--gguf {args.gguf}: not a llama.cpp recipe ({', '.join(RECIPES)}) or a GGUF type "
                              f"({', '.join(GGUF_TYPES)})")

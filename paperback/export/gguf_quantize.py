@@ -3,8 +3,9 @@
 `gguf_types_for(config, recipe)` gives every weight llama.cpp's type under a named recipe; any other
 assignment (one type everywhere, or a fit's per-tensor choice) is a {param name: GGUFType} dict as well.
 `quantize_to_gguf` runs RTN (scales searched, weighted by each input's mean square when calibration text is
-given) or GPTQ block by block through the already-quantized blocks, and writes the file: what paperback
-evaluated is what llama.cpp reads.
+given) or GPTQ block by block through the already-quantized blocks, or AWQ (scales searched at each tensor's
+type and folded into the norms and rows before it, then rounded as RTN from the full model's inputs), and
+writes the file: what paperback evaluated is what llama.cpp reads.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
     """Quantize `lm` (a LoadedModel from a GGUF file, fp32) in place to `types` and write the GGUF file `out`.
     `calibration`: (N, L) token ids (GPTQ needs them; RTN weighs its scale search by them when given).
     `metadata`: what to record under `paperback.recipe` in the file (JSON)."""
+    from paperback.allocate.gguf_cells import GGUFCells
     from paperback.quantization.model_pass import quantize_model
 
     out = Path(out)
@@ -96,10 +98,18 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
         raise PaperbackError(f"{lm.source.label} is not a GGUF file; GGUF output copies the tokenizer and chat "
                              "template of the GGUF file a model came from (a Hugging Face source is not built yet)")
     check_types(lm.config, types)
-    targets = BLOCK_LINEARS + ("embed", "head")
-    first = next(iter(types.values()))
-    config = QuantizeConfig(method, first, targets=targets, layer_schemes=dict(types))
-    results = quantize_model(lm.model, config, calibration, progress=progress)
+    if method == "awq":
+        if calibration is None:
+            raise PaperbackError("AWQ needs calibration text")
+        cells = GGUFCells(lm.model, calibration, "awq", scale_types=types)
+        results = {param: cells.quantize(param, kind) for param, kind in types.items()}
+        for param, weight in results.items():  # the model holds what the file holds, as the other methods leave it
+            cells.params[param].data.copy_(weight.dequantize())
+    else:
+        targets = BLOCK_LINEARS + ("embed", "head")
+        first = next(iter(types.values()))
+        config = QuantizeConfig(method, first, targets=targets, layer_schemes=dict(types))
+        results = quantize_model(lm.model, config, calibration, progress=progress)
     record = {"method": method, "types": {p: t.name for p, t in types.items()}, **(metadata or {})}
     return write_weights(lm, results, out, record, progress)
 

@@ -82,10 +82,6 @@ def scale_groups(family: str, layer: nn.Module) -> list[ScaleGroup]:
     return groups
 
 
-def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    return quantize_rtn(weight, scheme).dequantize(weight.dtype)
-
-
 def activation_scale(x: torch.Tensor) -> torch.Tensor:
     """Mean |x| per input channel over every token: AWQ's s_x."""
     return x.reshape(-1, x.shape[-1]).abs().float().mean(0)
@@ -99,13 +95,17 @@ def candidate_scales(s_x: torch.Tensor, alpha: float) -> torch.Tensor:
 
 def search_scale(weights: list[torch.Tensor], s_x: torch.Tensor, output_of: Callable[[list[torch.Tensor]], torch.Tensor],
                  reference: torch.Tensor, scheme: QuantScheme | list[QuantScheme | None], grid: int = 20,
-                 quantized: list[bool] | None = None) -> tuple[torch.Tensor, list[float]]:
+                 quantized: list[bool] | None = None,
+                 importance: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """The s = s_x^alpha (alpha on the grid) whose scaled, quantized weights give the lowest output MSE.
 
     output_of(ws) computes the judged module's output with the linears'
     weights replaced by ws, each already divided back by s (so the module's
     input is unchanged). scheme: one for every weight, or one per weight
-    (None: left unquantized). Returns the best scales and the error per alpha.
+    (None: left unquantized); a GGUF type rounds as its quantizer does, its
+    stored scales searched weighted by `importance` (the input's mean square
+    per channel; the scaled input's is importance / s^2). Returns the best
+    scales and the error per alpha.
     """
     schemes = scheme if isinstance(scheme, list) else [scheme] * len(weights)
     if quantized is not None:
@@ -114,7 +114,9 @@ def search_scale(weights: list[torch.Tensor], s_x: torch.Tensor, output_of: Call
     best, best_err = torch.ones_like(s_x), float("inf")
     for i in range(grid):
         s = candidate_scales(s_x, i / grid)
-        trial = [fake_quantize(w * s, sch) / s if sch is not None else w for w, sch in zip(weights, schemes)]
+        weighted = None if importance is None else importance / s.pow(2)
+        trial = [quantize_rtn(w * s, sch, weighted).dequantize(w.dtype) / s if sch is not None else w
+                 for w, sch in zip(weights, schemes)]
         err = (output_of(trial).float() - reference.float()).pow(2).mean().item()
         errors.append(err)
         if err < best_err:
@@ -177,18 +179,15 @@ def _sample_rows(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              targets: list[str], scheme: QuantScheme | dict[str, QuantScheme], config: AWQConfig,
-              folded: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
-    """Scale, clip and round the target linears of one block, given its input hidden states x (N, L, C).
-
-    scheme: one for every target, or {linear name: scheme} (linears that share
-    a scale group may differ: the scale search quantizes each in its own). The scales are folded into the block in
-    place (its full-precision function is unchanged); the returned weights are
-    of the folded block. folded, when given, receives {prev module name: s}
-    for every scale folded, so callers can map weights back to the unfolded basis.
-    """
-    schemes = scheme if isinstance(scheme, dict) else {name: scheme for name in targets}
+def search_block_scales(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        targets: list[str], schemes: dict[str, object], config: AWQConfig,
+                        weighted: bool = False) -> dict[str, torch.Tensor]:
+    """AWQ's scale search on one block, given its input hidden states x (N, L, C): each scale group's
+    s = s_x^alpha, folded into the block in place (its full-precision function is unchanged). schemes:
+    {linear name: scheme or GGUF type} (linears that share a group may differ: the search quantizes each in its
+    own). weighted: GGUF types round weighted by the input's mean square, as their quantizer then will.
+    Returns {prev module name: s} for every scale folded."""
+    folded: dict[str, torch.Tensor] = {}
     groups = scale_groups(family, layer)
     inputs = capture_inputs(layer, x, cos, sin, [g.linears[0] for g in groups])
     for group in groups:
@@ -196,12 +195,14 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
             continue
         linears = [layer.get_submodule(name) for name in group.linears]
         inspect = layer.get_submodule(group.inspect)
-        s_x = activation_scale(inputs[group.linears[0]])
+        group_x = inputs[group.linears[0]]
+        s_x = activation_scale(group_x)
+        importance = group_x.reshape(-1, group_x.shape[-1]).float().pow(2).mean(0) if weighted else None
         # The grid search judges on a subset: whole sequences for attention, sampled tokens elsewhere.
         if inspect is layer.self_attn:
-            group_in = inputs[group.linears[0]][: max(1, -(-config.search_tokens // x.shape[1]))]
+            group_in = group_x[: max(1, -(-config.search_tokens // x.shape[1]))]
         else:
-            group_in = _sample_rows(inputs[group.linears[0]], config.search_tokens)
+            group_in = _sample_rows(group_x, config.search_tokens)
 
         def output_of(weights: list[torch.Tensor], linears=linears, inspect=inspect, group_in=group_in):
             originals = [linear.weight.data for linear in linears]
@@ -218,10 +219,26 @@ def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor,
         reference = output_of([linear.weight.data for linear in linears])
         s, _ = search_scale([linear.weight.data for linear in linears], s_x, output_of,
                             reference, [schemes.get(name) if name in targets else None for name in group.linears],
-                            config.grid)
+                            config.grid, importance=importance)
         fold_scale(layer.get_submodule(group.prev), linears, s)
-        if folded is not None:
-            folded[group.prev] = s
+        folded[group.prev] = s
+    return folded
+
+
+@torch.no_grad()
+def awq_block(layer: nn.Module, family: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              targets: list[str], scheme: QuantScheme | dict[str, QuantScheme], config: AWQConfig,
+              folded: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
+    """Scale, clip and round the target linears of one block, given its input hidden states x (N, L, C).
+
+    scheme: one for every target, or {linear name: scheme}. The scales are folded into the block in place
+    (search_block_scales); the returned weights are of the folded block. folded, when given, receives
+    {prev module name: s} for every scale folded, so callers can map weights back to the unfolded basis.
+    """
+    schemes = scheme if isinstance(scheme, dict) else {name: scheme for name in targets}
+    scales = search_block_scales(layer, family, x, cos, sin, targets, schemes, config)
+    if folded is not None:
+        folded.update(scales)
     quantized_names = list(targets)
     if config.clip:
         # Inputs again: the folds divided them by s. q and k are left unclipped, as in AWQ:

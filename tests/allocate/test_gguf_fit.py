@@ -147,7 +147,6 @@ def test_budgets_come_from_the_config_alone():
     ([], "--size BYTES or as --size-of"),
     (["--size", "100MB", "--size-of", "Q4_K_M"], "(one of them)"),
     (["--size-of", "Q4_K_M", "--memory", "1GiB"], "--memory is an option of `fit --format checkpoint`"),
-    (["--size-of", "Q4_K_M", "--method", "awq"], "AWQ onto GGUF's types is not built yet"),
 ])
 def test_bad_gguf_fits_are_refused_in_one_line_before_the_model_loads(plain_gguf, argv, message, tmp_path, capsys):
     out = tmp_path / "x.gguf"
