@@ -18,11 +18,12 @@ from paperback.kv.cache import LayerStore, QuantizedKVCache
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
 from paperback.models import DecoderLM
+from paperback.models.cache import KVCache
 
 LOGIT_CHUNK = 256
 
 
-class OneLayerCache:
+class OneLayerCache(KVCache):
     """A cache for one layer only, in one KV format: the layer reads its own past from it, as served."""
 
     def __init__(self, layer_idx: int, scheme: KVScheme, shape: tuple[int, int, int, int], dtype: torch.dtype,

@@ -32,6 +32,7 @@ from paperback.errors import PaperbackError
 from paperback.kv.cache import QuantizedKVCache
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
+from paperback.models.cache import KVCache
 
 # Where the fact sits, as fractions of the prompt: before the longest measured eviction window (half of it).
 DEPTHS = (0.2, 0.35)
@@ -80,7 +81,7 @@ def retrieval_prompts(tokenizer, haystack: list[int], length: int, bos_token_id:
     return RetrievalPrompts(torch.tensor(rows, dtype=torch.long), answer_len, tail, tuple(depths))
 
 
-class _PrefixCache:
+class _PrefixCache(KVCache):
     """Later blocks' caches during a cell: their exact past (from the reference pass), then the tail's own."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
@@ -91,7 +92,7 @@ class _PrefixCache:
                 torch.cat([self.values[layer_idx][:, :, :start_pos], v], dim=2))
 
 
-class _Recorder:
+class _Recorder(KVCache):
     """The exact pass's cache: keeps every layer's keys and values."""
 
     def __init__(self):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from paperback.models import DecoderLM
+from paperback.models.cache import KVCache
 
 
-class _MassRecorder:
+class _MassRecorder(KVCache):
     """A pass-through cache that turns each layer's rotated q and k into attention probabilities."""
 
     def __init__(self, model: DecoderLM, sinks: int, recent: int, heavy_fraction: float):

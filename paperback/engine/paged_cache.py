@@ -54,6 +54,7 @@ from paperback.errors import PaperbackError
 from paperback.kv.cache import staging_dtype
 from paperback.kv.policy import KVPolicy
 from paperback.kv.families import NATIVE
+from paperback.models.cache import KVCache
 from paperback.models.config import ModelConfig
 
 
@@ -395,8 +396,10 @@ class StepSequence:
     block_tables: tuple[torch.Tensor, ...]  # per cache group: (blocks,) long, EVICTED (-1) where given back
 
 
-class StepBatch:
-    """The `attention` hook a model calls for a packed row of several sequences' new tokens."""
+class StepBatch(KVCache):
+    """The cache a model runs a packed row of several sequences' new tokens over: it owns their attention."""
+
+    owns_attention = True
 
     def __init__(self, pool: PagedKVPool, seqs: list[StepSequence]):
         self.pool = pool

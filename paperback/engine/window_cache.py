@@ -16,12 +16,15 @@ from paperback.engine.pool_layout import layer_schemes, pool_layout
 from paperback.errors import PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import paged_block_size
+from paperback.models.cache import KVCache
 
 SEQ_ID = 0
 
 
-class PagedWindowCache:
+class PagedWindowCache(KVCache):
     """One sequence of up to `max_len` tokens in its own pool; each model call is one step of it."""
+
+    owns_attention = True
 
     def __init__(self, model, policy: KVPolicy, max_len: int, chunk: int, kv_amax: dict | None = None,
                  block_size: int = 16):

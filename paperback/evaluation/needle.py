@@ -19,7 +19,7 @@ import torch
 
 from paperback.errors import ContextLengthError
 from paperback.models import DecoderLM
-from paperback.models.blocks import KVCache
+from paperback.models.cache import KVCache
 
 ITEMS = ("the lighthouse", "the blue door", "the observatory", "the greenhouse", "the old mill", "the harbour gate",
          "the library vault", "the clock tower", "the north bridge", "the wine cellar")

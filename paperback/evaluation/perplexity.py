@@ -25,7 +25,7 @@ import torch
 
 from paperback.errors import DatasetError, PaperbackError
 from paperback.models import DecoderLM
-from paperback.models.blocks import KVCache
+from paperback.models.cache import KVCache
 from paperback.progress import progress as stage_progress
 
 LOGIT_CHUNK = 256  # positions per logits slice

@@ -6,9 +6,9 @@ the step (`paperback bench --profile`, docs/weights.md). `_fused_decode.c`
 runs the same step (norms, q/k/v, RoPE, the cache write, attention, o, the
 MLP or a mixture of experts' routing and experts, the residuals) as one
 call, with the packed-weight kernel and the attention kernel the module
-path uses. `DecoderLM.hidden_states` takes it for one new token per row
-over a `ContiguousKVCache` (fp32, fp16 or bf16) whenever the model
-qualifies (`plan_for`); anything else (fp32 or bf16 linears, an expert left
+path uses. A `ContiguousKVCache` (fp32, fp16 or bf16) runs it as its
+`decode_step` for one new token per row whenever the model qualifies
+(`plan_for`); anything else (fp32 or bf16 linears, an expert left
 unpacked, quantized or paged caches, prefill) runs module by module as
 before. The two paths agree to fp32 rounding
 (tests/generation/test_fused_decode.py); PAPERBACK_FUSED_DECODE=0 or
@@ -24,7 +24,6 @@ import torch
 
 from paperback.engine.paged_attention import _KERNEL_DTYPES as _CACHE_DTYPES  # the dtypes the step writes and reads
 from paperback.errors import ContextLengthError
-from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.models.layers import RMSNorm
 from paperback.models.moe import SparseMoE
 from paperback.quantization import kernels
@@ -59,7 +58,7 @@ def fused_decode(flag: bool):
 class FusedDecoder:
     """The C plan of one model over one cache, and what it points into (kept alive with it)."""
 
-    def __init__(self, model, cache: ContiguousKVCache, plan, keep: list, tables: list[tuple[torch.Tensor, ...]]):
+    def __init__(self, model, cache, plan, keep: list, tables: list[tuple[torch.Tensor, ...]]):
         self.model, self.cache, self.plan, self._keep = model, cache, plan, keep
         # The plan's two RoPE slots: (cos, signed sin) tables (slots, D) fp32, the model's own; one table fills both.
         self.tables = (tables[0], tables[-1])
@@ -144,9 +143,9 @@ def _moe_spec(mlp, keep: list) -> tuple | None:
 
 
 def plan_for(model, cache) -> FusedDecoder | None:
-    """The fused decoder of `model` over `cache`, built once per cache, or None where the model or cache does not
+    """The fused decoder of `model` over `cache` (a ContiguousKVCache), built once per cache, or None where the model or cache does not
     qualify (the module path then runs)."""
-    if not enabled or _fused_decode is None or not kernels.kernel_available() or type(cache) is not ContiguousKVCache:
+    if not enabled or _fused_decode is None or not kernels.kernel_available():
         return None
     held = cache.__dict__.get("_fused_decoder")  # (model, its decoder or None): the check runs once per cache
     if held is None or held[0] is not model:
@@ -155,7 +154,7 @@ def plan_for(model, cache) -> FusedDecoder | None:
     return held[1]
 
 
-def _build(model, cache: ContiguousKVCache) -> FusedDecoder | None:
+def _build(model, cache) -> FusedDecoder | None:
     cfg = model.config
     keys, values = cache.keys, cache.values
     if (model.dtype != torch.float32 or model.device.type != "cpu" or len(keys) != cfg.num_layers

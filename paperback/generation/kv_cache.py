@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from paperback.errors import ContextLengthError
+from paperback.generation.fused_decode import plan_for
 from paperback.memory import dense_kv_bytes_per_token
+from paperback.models.cache import KVCache
 from paperback.models.config import ModelConfig
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(KVCache):
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu"):
         self.max_len = max_len
@@ -29,3 +31,11 @@ class ContiguousKVCache:
         self.keys[layer_idx][:, :, start_pos:end] = k
         self.values[layer_idx][:, :, start_pos:end] = v
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def decode_step(self, model, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor | None:
+        """Every layer in one C call where the model and this cache qualify (generation.fused_decode). The plan
+        is made on the first call over the cache (the prefill, as generate runs), so no decode step pays for it."""
+        fused = plan_for(model, self)
+        if fused is None or not fused.takes(input_ids):
+            return None
+        return fused.step(input_ids, start_pos)

@@ -29,6 +29,7 @@ from paperback.errors import ContextLengthError, PaperbackError
 from paperback.kv.codecs import Fields, KVCodec, append, fields_bytes
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme, paged_block_size
+from paperback.models.cache import KVCache
 from paperback.models.config import ModelConfig
 from paperback.models.layers import ExactCopy
 
@@ -145,7 +146,7 @@ class LayerStore:
         return int(encoded) + exact * token_bits // 8 + scales
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(KVCache):
     """The model-facing cache (`update`) over one LayerStore per layer, formats chosen by a policy.
 
     kv_amax: {layer: (key amax, value amax)} per KV head, from

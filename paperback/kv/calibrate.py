@@ -13,9 +13,10 @@ from tqdm.auto import tqdm
 
 from paperback.kv.codecs import FP8_DTYPES
 from paperback.models import DecoderLM
+from paperback.models.cache import KVCache
 
 
-class _AmaxRecorder:
+class _AmaxRecorder(KVCache):
     """A pass-through cache for whole-sequence forwards that records per-head |k| and |v| maxima."""
 
     def __init__(self, num_layers: int):

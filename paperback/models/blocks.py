@@ -7,32 +7,12 @@ files are mapped onto the same names.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
+from paperback.models.cache import KVCache
 from paperback.models.config import ModelConfig
 from paperback.models.layers import RMSNorm, RotaryEmbedding, apply_rope, attend, gated_mlp_act
-
-
-class KVCache(Protocol):
-    """What a model needs from a cache: store new keys/values, return all of them.
-
-    A cache may also define `observe(layer_idx, q, k)`, called with each
-    chunk's rotated queries and keys before `update` (PN-Mix ranks key
-    channels by query and key norms at prefill), or take over attention
-    entirely with `attention(layer_idx, q, k, v, scaling, window) -> out`
-    (the paged engine's step batch: several sequences packed in one row),
-    and `retention(layer_idx) -> (window, sink)` when it evicts old tokens
-    (window None: it keeps them all), and `exact_copy(layer_idx) -> ExactCopy | None`
-    when the last update encoded keys that some of its queries still read exact.
-    """
-
-    def update(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (B, Hkv, T, D) for positions start_pos..; returns (B, Hkv, start_pos + T, D)."""
 
 
 def run_linears(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
@@ -76,9 +56,7 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _store(self, q, k, v, start_pos: int, kv_cache: KVCache):
-        observe = getattr(kv_cache, "observe", None)
-        if observe is not None:
-            observe(self.layer_idx, q, k)
+        kv_cache.observe(self.layer_idx, q, k)
         return kv_cache.update(self.layer_idx, k, v, start_pos)
 
     def write_cache(self, x, cos, sin, start_pos: int, kv_cache: KVCache) -> None:
@@ -89,19 +67,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, start_pos: int, kv_cache: KVCache | None):
         b, t, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        paged = getattr(kv_cache, "attention", None)
-        if paged is not None:
-            out = paged(self.layer_idx, q, k, v, self.scaling, self.window)
+        if kv_cache is not None and kv_cache.owns_attention:
+            out = kv_cache.attention(self.layer_idx, q, k, v, self.scaling, self.window)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        window, sink, exact = self.window, 0, None
         if kv_cache is not None:
             k, v = self._store(q, k, v, start_pos, kv_cache)
-        window, sink = self.window, 0
-        retention = getattr(kv_cache, "retention", None)
-        if retention is not None:
-            kept, sink = retention(self.layer_idx)
+            kept, sink = kv_cache.retention(self.layer_idx)
             window = kept or window  # a policy never puts a retention window on a sliding-window layer
-        exact_copy = getattr(kv_cache, "exact_copy", None)
-        exact = exact_copy(self.layer_idx) if exact_copy is not None else None
+            exact = kv_cache.exact_copy(self.layer_idx)
         out = attend(q, k, v, start_pos, self.scaling, window, sink, exact)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -159,13 +133,9 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids (B, T) at positions start_pos.. (or `positions` (T,), one per token) -> normed hidden (B, T, C)."""
         if positions is None and kv_cache is not None:
-            from paperback.generation.fused_decode import plan_for  # here: generation imports the models
-
-            # Decode steps run every layer in one C call where the model and cache qualify; the plan is made
-            # on the first call over a cache (the prefill, as generate runs), so no decode step pays for it.
-            fused = plan_for(self, kv_cache)
-            if fused is not None and fused.takes(input_ids):
-                return self.model.norm(fused.step(input_ids, start_pos))
+            stepped = kv_cache.decode_step(self, input_ids, start_pos)
+            if stepped is not None:
+                return self.model.norm(stepped)
         x = self.embed(input_ids)
         if positions is None:
             positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
