@@ -11,7 +11,7 @@ run layer by layer in PyTorch.
 from setuptools import Extension, setup
 
 
-HEADERS = ["paperback/quantization/_qkernel.h", "paperback/engine/_paged_kernel.h", "paperback/_sum16.h"]
+HEADERS = ["paperback/kernels/_qkernel.h", "paperback/kernels/_paged_kernel.h", "paperback/kernels/_sum16.h"]
 
 
 def c_kernel(module: str) -> Extension:
@@ -22,5 +22,5 @@ def c_kernel(module: str) -> Extension:
 
 
 # _fused_decode calls the other two through their capsules (_qkernel.h, _paged_kernel.h) at run time.
-setup(ext_modules=[c_kernel("paperback.quantization._qkernel"), c_kernel("paperback.engine._paged_kernel"),
-                   c_kernel("paperback.generation._fused_decode")])
+setup(ext_modules=[c_kernel("paperback.kernels._qkernel"), c_kernel("paperback.kernels._paged_kernel"),
+                   c_kernel("paperback.kernels._fused_decode")])

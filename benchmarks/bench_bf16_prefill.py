@@ -29,7 +29,7 @@ from paperback.cli import main as paperback_cli
 from paperback.cli.output import print_table
 from paperback.evaluation import load_text
 from paperback.loading import load_model
-from paperback.quantization.kernels import kernel_modes
+from paperback.kernels.packed import kernel_modes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import warn_if_busy, write_results  # noqa: E402

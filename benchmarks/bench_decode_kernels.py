@@ -26,7 +26,7 @@ import torch
 
 from paperback.cli.output import print_table
 from paperback.quantization import QuantScheme, quantize_rtn
-from paperback.quantization.kernels import _qkernel
+from paperback.kernels.packed import _qkernel
 from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))

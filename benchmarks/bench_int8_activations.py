@@ -29,7 +29,7 @@ from paperback.cli.output import print_table
 from paperback.evaluation import evaluate, load_text
 from paperback.generation.kv_cache import ContiguousKVCache
 from paperback.loading import load_model
-from paperback.quantization.kernels import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
+from paperback.kernels.packed import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import write_results  # noqa: E402

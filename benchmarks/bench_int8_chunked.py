@@ -11,7 +11,7 @@ decode activations the kernel can instead take the rows sixteen at a time
 codes once per sixteen rows. This times one step's linears of SmolLM2 (RTN
 W4a-g128 with the head at W4, made for the run) both ways at each row count
 and code path (`_qkernel.set_simd` caps it): the median of --repeats steps.
-paperback.quantization.kernels.INT8_CHUNKED_MAX_ROWS holds the crossovers it
+paperback.kernels.packed.INT8_CHUNKED_MAX_ROWS holds the crossovers it
 measured. Writes benchmarks/results/int8_chunked[_<tag>].json.
 """
 
@@ -27,7 +27,7 @@ import torch
 from paperback.cli import main as paperback_cli
 from paperback.cli.output import print_table
 from paperback.loading import load_model
-from paperback.quantization import kernels
+from paperback.kernels import packed
 from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=9)
     add_tag_arg(parser)
     args = parser.parse_args()
-    if not kernels.kernel_available():
+    if not packed.kernel_available():
         raise SystemExit("the packed kernel is not built")
     warn_if_busy()
     torch.set_num_threads(args.threads)
@@ -53,29 +53,29 @@ def main() -> int:
         if paperback_cli(["quantize", args.model, "-o", path, "--method", "rtn", "--edge-scheme", "same", "--json"]):
             raise SystemExit("quantize failed")
         layers = [m for m in load_model(path, "fp32").model.modules() if isinstance(m, QuantLinear)]
-    kernels.set_decode_activations("int8")
-    kernels.set_prefill_matmul("bf16")
+    packed.set_decode_activations("int8")
+    packed.set_prefill_matmul("bf16")
     results = []
     for path in args.paths:
-        if kernels._qkernel.set_simd(path) != path:
+        if packed._qkernel.set_simd(path) != path:
             continue  # this CPU does not run it
         for rows in args.rows:
             xs = [torch.randn(rows, layer.in_features) for layer in layers]
 
             def dequantized():
                 for layer, x in zip(layers, xs):
-                    kernels._dequantize_matmul(layer, x, None)
+                    packed._dequantize_matmul(layer, x, None)
 
             def chunked():
                 for layer, x in zip(layers, xs):
-                    kernels._gemv_rows([layer], x)
+                    packed._gemv_rows([layer], x)
 
             row = {"path": path, "rows": rows, "dequantized_bf16_ms": best_time(dequantized, args.repeats) * 1e3,
                    "kernel_16_rows_a_call_ms": best_time(chunked, args.repeats) * 1e3}
             row["speedup"] = row["dequantized_bf16_ms"] / row["kernel_16_rows_a_call_ms"]
             results.append(row)
             print(row, flush=True)
-    kernels._qkernel.set_simd("best")
+    packed._qkernel.set_simd("best")
     load = warn_if_busy(args.threads)
     print_table(f"one decode step's linears ({len(layers)} matrices, {args.threads} threads)",
                 ["path", "rows", "dequantize + bf16 GEMM ms", "kernel, 16 rows a call ms", "kernel speedup"],

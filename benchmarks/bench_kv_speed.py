@@ -14,7 +14,7 @@ loop); "python", quantized layers decoding through `paged_attention`, their
 blocks decoded by PyTorch a few at a time per sequence, as the engine did
 before the kernel read them. --kv-scores: how the kernel scores encoded
 integer keys (fp32: decoded, the exact reference; int8: the query rounded to
-int8 against the codes, paperback.engine.paged_attention.set_kv_scores); each
+int8 against the codes, paperback.kernels.attention.set_kv_scores); each
 integer format gets a row per choice, recorded as "scores" (fp16 and FP8
 always score in fp32). Each configuration runs in its own process.
 Writes benchmarks/results/kv_speed_<model>[_<tag>].json.
@@ -35,7 +35,7 @@ def worker(args) -> dict:
 
     from paperback.engine.llm import LLMEngine
     from paperback.evaluation import load_text
-    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
+    from paperback.kernels.attention import kv_scores_in_effect, set_kv_scores
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
 
@@ -87,8 +87,8 @@ def attention_worker(args) -> dict:
 
     import torch
 
-    from paperback.engine.paged_attention import (ExactStaging, codec_source, kv_scores_in_effect, native_source,
-                                                  paged_decode_attention, set_kv_scores)
+    from paperback.kernels.attention import (ExactStaging, kv_scores_in_effect, native_source, paged_decode_attention,
+                                             set_kv_scores)
     from paperback.kv.schemes import parse_kv_scheme
     from paperback.loading import load_model
 
@@ -119,7 +119,7 @@ def attention_worker(args) -> dict:
                 stage_tables = torch.full((args.batch, need), -1)
                 stage_tables[:, need - recent:] = torch.arange(args.batch * recent).view(args.batch, recent)
                 staging = ExactStaging(stage, stage, stage_tables)
-                sources = (codec_source(key_codec, key_fields), codec_source(value_codec, value_fields))
+                sources = (key_codec.kernel_source(key_fields), value_codec.kernel_source(value_fields))
                 encoded = sum(t.nbytes for t in (*key_fields.values(), *value_fields.values()))
                 nbytes = encoded * (need - recent) // need + 2 * args.batch * recent * stage[0].nbytes
                 keep = [key_fields, value_fields, stage, key_codec, value_codec]  # FP8 sources point at the scale
@@ -151,7 +151,7 @@ def quality_worker(args) -> dict:
     import torch
 
     from paperback.engine.llm import LLMEngine
-    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
+    from paperback.kernels.attention import kv_scores_in_effect, set_kv_scores
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.evaluation import load_text
     from paperback.generation.sampling import SamplingParams

@@ -90,7 +90,8 @@ def decode_worker(impl: str, shape: str, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from paperback.engine.paged_attention import paged_attention, paged_decode_attention
+    from paperback.engine.paged_attention import paged_attention
+    from paperback.kernels.attention import paged_decode_attention
 
     heads, kv_heads, dim = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from paperback.cli.output import print_table
 from paperback.quantization import QuantScheme, quantize_rtn
-from paperback.quantization.kernels import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
+from paperback.kernels.packed import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
 from paperback.quantization.qlinear import QuantLinear
 
 RESULTS = Path(__file__).parent / "results"

@@ -106,8 +106,8 @@ def paged_worker(args) -> dict:
     from paperback.generation.sampling import SamplingParams
     from paperback.loading import load_model
 
-    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
-    from paperback.quantization.kernels import set_decode_activations, set_prefill_matmul
+    from paperback.kernels.attention import kv_scores_in_effect, set_kv_scores
+    from paperback.kernels.packed import set_decode_activations, set_prefill_matmul
 
     user = args.worker == "paged-user"
     if user:  # many-row steps (prefill chunks, batched decode) through bf16 tiles, as `--prefill-matmul bf16`;

@@ -25,11 +25,11 @@ class Kernel:
 
 
 KERNELS = (
-    Kernel("packed weights", "paperback.quantization._qkernel",
+    Kernel("packed weights", "paperback.kernels._qkernel",
            "quantized layers dequantize through the PyTorch reference path on every call"),
-    Kernel("paged attention", "paperback.engine._paged_kernel",
+    Kernel("paged attention", "paperback.kernels._paged_kernel",
            "decode reads the paged KV pool through PyTorch one sequence at a time"),
-    Kernel("fused decode", "paperback.generation._fused_decode",
+    Kernel("fused decode", "paperback.kernels._fused_decode",
            "decode steps run layer by layer in PyTorch"),
 )
 FIX = "reinstall with a C compiler (gcc) on PATH: bash scripts/setup.sh, or pip install -e ."
@@ -71,7 +71,7 @@ def missing_kernels() -> list[KernelStatus]:
 def simd_level() -> str:
     """The code path of the packed-weight kernel: 'amx', 'avx512vnni', 'avx512', 'avxvnni', 'avx2', 'portable', or
     'unavailable' (not built)."""
-    from paperback.quantization.kernels import kernel_simd
+    from paperback.kernels.packed import kernel_simd
 
     return kernel_simd()
 
@@ -98,10 +98,16 @@ def cpu_facts() -> dict:
             "simd_flags": [f for f in SIMD_FLAGS if f in present]}
 
 
+def kernel_settings() -> dict:
+    from paperback.kernels.settings import settings
+
+    return settings.to_dict()
+
+
 def kernel_summary() -> dict:
-    """What a results JSON records of the kernels: the SIMD path, and which extensions were built."""
-    return {"simd": simd_level(), "simd_cap": os.environ.get("PAPERBACK_SIMD"),
-            "built": {k.name: k.built for k in kernel_status()}}
+    """What a results JSON records of the kernels: the SIMD path, which extensions were built, their settings."""
+    return {"simd": simd_level(), "simd_cap": kernel_settings()["simd"],
+            "built": {k.name: k.built for k in kernel_status()}, "settings": kernel_settings()}
 
 
 def system_report() -> dict:
@@ -113,8 +119,8 @@ def system_report() -> dict:
                       "cuda_available": torch.cuda.is_available()},
             "cpu": cpu_facts(), "threads": torch.get_num_threads(),
             "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "simd": simd_level(), "simd_cap": os.environ.get("PAPERBACK_SIMD"),
-            "kernels": [k.to_dict() for k in kernel_status()]}
+            "simd": simd_level(), "simd_cap": kernel_settings()["simd"],
+            "kernels": [k.to_dict() for k in kernel_status()], "kernel_settings": kernel_settings()}
 
 
 def warn_missing_kernels() -> None:

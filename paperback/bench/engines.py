@@ -42,14 +42,10 @@ class BenchConfig:
 
         if self.prompt_tokens < 1 or self.decode_tokens < 2 or self.repeats < 1:
             raise PaperbackError("prompt tokens >= 1, decode tokens >= 2 and repeats >= 1 are required")
-        from paperback.quantization.kernels import DECODE_ACTIVATIONS, PREFILL_MATMULS
+        from paperback.kernels.settings import checked
 
-        if self.decode_activations not in DECODE_ACTIVATIONS:
-            raise PaperbackError(f"decode activations must be one of {' or '.join(DECODE_ACTIVATIONS)}, got "
-                                 f"{self.decode_activations!r}")
-        if self.prefill_matmul not in PREFILL_MATMULS:
-            raise PaperbackError(f"prefill matmul must be one of {' or '.join(PREFILL_MATMULS)}, got "
-                                 f"{self.prefill_matmul!r}")
+        checked("decode_activations", self.decode_activations)
+        checked("prefill_matmul", self.prefill_matmul, "prefill matmul")
         if self.kv_cache_dtype not in ("auto", "fp32", "fp16", "bf16"):
             raise PaperbackError(f"kv cache dtype must be auto, fp32, fp16 or bf16, got {self.kv_cache_dtype!r}")
         if self.threads is not None and self.threads < 1:
@@ -161,16 +157,16 @@ ENGINES = {"paperback": PaperbackEngine, "transformers": TransformersEngine}
 
 def run_engine(engine_name: str, cfg: BenchConfig) -> dict:
     """All measurements of one engine; called in a worker process."""
-    from paperback.quantization.kernels import set_decode_activations, set_prefill_matmul
+    from paperback.kernels.packed import set_decode_activations, set_prefill_matmul
 
     torch.manual_seed(0)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     set_decode_activations(cfg.decode_activations)
     set_prefill_matmul(cfg.prefill_matmul)
-    from paperback.generation import fused_decode
+    from paperback.kernels.settings import settings
 
-    fused_decode.enabled = cfg.fused_decode
+    settings.fused_decode = cfg.fused_decode
     start = time.perf_counter()
     engine = ENGINES[engine_name](cfg)
     load_s = time.perf_counter() - start

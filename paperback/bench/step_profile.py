@@ -75,8 +75,8 @@ def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int, cache_dtype
     """Milliseconds per decode step by part (PARTS), for a greedy decode of `new_tokens` after `prompt_ids` (the
     cache in `cache_dtype`, as `generate_tokens`)."""
     from paperback.generation import SamplingParams, generate_tokens
-    from paperback.generation import fused_decode
     from paperback.generation.fused_decode import FusedDecoder
+    from paperback.kernels.fused import _fused_decode
     from paperback.models import blocks
     from paperback.models.layers import RMSNorm
 
@@ -102,15 +102,15 @@ def profile_decode(model, prompt_ids: torch.Tensor, new_tokens: int, cache_dtype
             for _ in generate_tokens(model, prompt_ids, params, cache_dtype):
                 if start is None:  # the prompt's prefill is done: time the steps from here
                     start, timers.active = time.perf_counter(), True
-                    if fused_decode._fused_decode is not None:
-                        fused_decode._fused_decode.timing(True)
+                    if _fused_decode is not None:
+                        _fused_decode.timing(True)
                 else:
                     steps += 1
             wall = time.perf_counter() - start
     finally:
-        fused = fused_decode._fused_decode.timings() if fused_decode._fused_decode is not None else {}
-        if fused_decode._fused_decode is not None:
-            fused_decode._fused_decode.timing(False)
+        fused = _fused_decode.timings() if _fused_decode is not None else {}
+        if _fused_decode is not None:
+            _fused_decode.timing(False)
         for owner, attr, original in originals:
             setattr(owner, attr, original)
         vars(model).pop("forward", None)  # back to the class's methods

@@ -45,7 +45,7 @@ def _kernel_modes(args: argparse.Namespace):
     tests); commands without the options import nothing for them."""
     if getattr(args, "decode_activations", None) is None:
         return contextlib.nullcontext()
-    from paperback.quantization.kernels import kernel_modes
+    from paperback.kernels.packed import kernel_modes
 
     return kernel_modes(args.decode_activations, args.prefill_matmul)
 

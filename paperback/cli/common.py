@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 
+from paperback.kernels.settings import CHOICES
 from paperback.loading.sources import BUNDLED_MODELS, DEFAULT_MODEL
 
 
@@ -107,11 +108,11 @@ def kv_cache_dtype(args: argparse.Namespace, command: str):
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--decode-activations", default="fp32", choices=["fp32", "int8"],
+    parser.add_argument("--decode-activations", default="fp32", choices=CHOICES["decode_activations"],
                         help="how decode steps meet packed weights: fp32 (exact; the default) or int8 (activations "
                              "rounded to int8 in blocks of 32 and multiplied with integer dot products, as "
                              "llama.cpp does; faster, at a small measured cost: docs/weights.md)")
-    parser.add_argument("--prefill-matmul", default="fp32", choices=["fp32", "bf16"],
+    parser.add_argument("--prefill-matmul", default="fp32", choices=CHOICES["prefill_matmul"],
                         help="how prefill meets packed weights: fp32 (exact; the default) or bf16 (weight tiles and "
                              "activations rounded to bf16, as a bf16 model's matmuls are; faster where the CPU has "
                              "AVX-512 BF16, at a small measured cost: docs/weights.md)")

@@ -6,6 +6,7 @@ import argparse
 
 from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg, kv_cache_dtype_name
 from paperback.cli.output import note
+from paperback.kernels.settings import CHOICES
 
 
 def parse_bytes(text: str) -> int:
@@ -43,7 +44,7 @@ def register(sub) -> None:
                    help="KV cache format of every layer (auto, fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, "
                         "pnmix, with settings and retention (sink=, window=) as in `paperback eval "
                         "--kv-cache-dtype`); default (auto): the policy a fitted checkpoint carries, else fp32")
-    p.add_argument("--kv-scores", choices=["fp32", "int8"], default="fp32",
+    p.add_argument("--kv-scores", choices=CHOICES["kv_scores"], default="fp32",
                    help="how decode attention scores integer-coded keys (int8/int4/int2, KIVI): fp32 (codes decoded, "
                         "exact; the default) or int8 (each query rounded to int8 and multiplied with the codes by "
                         "integer dot products, as llama.cpp does for quantized K; faster, needs AVX-512 VNNI and "
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from paperback.engine.llm import LLMEngine
-    from paperback.engine.paged_attention import kv_scores_in_effect, set_kv_scores
+    from paperback.kernels.attention import kv_scores_in_effect, set_kv_scores
     from paperback.engine.scheduler import SchedulerConfig
     from paperback.errors import PaperbackError
     from paperback.kv import build_policy, parse_kv_scheme

@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 import torch
 
 from paperback.engine.block_manager import EVICTED, NoFreeBlocks
-from paperback.engine.paged_attention import (ExactSplit, ExactStaging, codec_source, decode_kernel_available,
-                                              native_source, paged_attention, paged_decode_attention)
+from paperback.engine.paged_attention import ExactSplit, paged_attention
 from paperback.engine.pool_layout import PoolLayout
 from paperback.errors import PaperbackError
+from paperback.kernels.attention import (ExactStaging, decode_kernel_available, native_source,
+                                         paged_decode_attention)
 from paperback.kv.cache import staging_dtype
 from paperback.kv.policy import KVPolicy
 from paperback.kv.families import NATIVE
@@ -88,7 +89,7 @@ class _Layer:
                              for n, t in self.value_codec.field_shapes(probe).items()}
         self.stage_keys = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
         self.stage_values = torch.zeros((layout.stage_blocks, *shape), dtype=stage_dtype, device=device)
-        sources = (codec_source(self.key_codec, self.key_fields), codec_source(self.value_codec, self.value_fields))
+        sources = (self.key_codec.kernel_source(self.key_fields), self.value_codec.kernel_source(self.value_fields))
         self.kernel_sources = sources if None not in sources and decode_kernel_available(self.stage_keys) else None
         # PN-Mix ranks key channels on what a sequence shows before its first block is encoded: that many
         # positions, whatever the steps were.

@@ -12,47 +12,19 @@ path uses. A `ContiguousKVCache` (fp32, fp16 or bf16) runs it as its
 unpacked, quantized or paged caches, prefill) runs module by module as
 before. The two paths agree to fp32 rounding
 (tests/generation/test_fused_decode.py); PAPERBACK_FUSED_DECODE=0 or
-`fused_decode(False)` turns this one off.
+`paperback.kernels.fused.fused_decode(False)` turns this one off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
-from paperback.engine.paged_attention import _KERNEL_DTYPES as _CACHE_DTYPES  # the dtypes the step writes and reads
 from paperback.errors import ContextLengthError
+from paperback.kernels import fused, packed
+from paperback.kernels.attention import KERNEL_DTYPES as _CACHE_DTYPES  # the dtypes the step writes and reads
 from paperback.models.layers import RMSNorm
 from paperback.models.moe import SparseMoE
-from paperback.quantization import kernels
 from paperback.quantization.qlinear import QuantLinear
-
-try:  # the two kernels it calls first: it finds them through their capsules as it loads
-    from paperback.engine import _paged_kernel  # noqa: F401
-    from paperback.quantization import _qkernel  # noqa: F401
-    from paperback.generation import _fused_decode
-except ImportError:  # built without a C compiler, or without the other two kernels
-    _fused_decode = None
-
-enabled = os.environ.get("PAPERBACK_FUSED_DECODE", "1") != "0"
-
-_SCORES = {"softmax": 0, "sigmoid": 1}  # router scoring, as the C enum numbers it
-_ACTS = {"silu": 0}  # any other gate activation name is GELU (tanh), as models.layers.gated_mlp_act reads it
-_MAX_BATCH = 64
-_MAX_HEAD_DIM = 512
-
-
-@contextlib.contextmanager
-def fused_decode(flag: bool):
-    """Fused decode steps on (where a model qualifies) or off inside the block."""
-    global enabled
-    previous, enabled = enabled, flag
-    try:
-        yield
-    finally:
-        enabled = previous
 
 
 class FusedDecoder:
@@ -79,8 +51,7 @@ class FusedDecoder:
         offset = 4 * start_pos * self.model.config.head_dim  # the position's row, in bytes
         cos = tuple(t[0].data_ptr() + offset for t in self.tables)
         sin = tuple(t[1].data_ptr() + offset for t in self.tables)
-        _fused_decode.step(self.plan, x.data_ptr(), start_pos, cos, sin, torch.get_num_threads(),
-                           kernels.decode_activations == "int8")
+        fused.step(self.plan, x, start_pos, cos, sin)
         return x.view(input_ids.shape[0], 1, -1)
 
 
@@ -108,7 +79,7 @@ def _layer_parts(layer):
 
 
 def _matrix(linear: QuantLinear) -> tuple:
-    kernels._check_buffers(linear)
+    packed._check_buffers(linear)
     qzeros = linear.qzeros.data_ptr() if linear.qzeros is not None else 0
     bias = linear.bias.data_ptr() if linear.bias is not None else 0
     return (linear.qweight.data_ptr(), linear.scales.data_ptr(), qzeros, bias, linear.out_features,
@@ -137,7 +108,7 @@ def _moe_spec(mlp, keep: list) -> tuple | None:
     return (router, correction.data_ptr() if correction is not None else 0,
             shared_gate.data_ptr() if shared_gate is not None else 0, moe.num_experts, moe.experts_per_token,
             moe.expert_intermediate_size, moe.shared_intermediate_size if mlp.shared_expert else 0,
-            _SCORES[moe.scoring], int(moe.normalize_top_k), float(moe.routed_scale), moe.num_groups,
+            fused.SCORES[moe.scoring], int(moe.normalize_top_k), float(moe.routed_scale), moe.num_groups,
             moe.groups_per_token, tuple(_matrix(linear) for linear in experts),
             tuple(_matrix(linear) for linear in shared))
 
@@ -145,7 +116,7 @@ def _moe_spec(mlp, keep: list) -> tuple | None:
 def plan_for(model, cache) -> FusedDecoder | None:
     """The fused decoder of `model` over `cache` (a ContiguousKVCache), built once per cache, or None where the model or cache does not
     qualify (the module path then runs)."""
-    if not enabled or _fused_decode is None or not kernels.kernel_available():
+    if not fused.available():
         return None
     held = cache.__dict__.get("_fused_decoder")  # (model, its decoder or None): the check runs once per cache
     if held is None or held[0] is not model:
@@ -158,8 +129,8 @@ def _build(model, cache) -> FusedDecoder | None:
     cfg = model.config
     keys, values = cache.keys, cache.values
     if (model.dtype != torch.float32 or model.device.type != "cpu" or len(keys) != cfg.num_layers
-            or keys[0].dtype not in _CACHE_DTYPES or keys[0].device.type != "cpu" or keys[0].shape[0] > _MAX_BATCH
-            or cfg.head_dim % 2 or cfg.head_dim > _MAX_HEAD_DIM):
+            or keys[0].dtype not in _CACHE_DTYPES or keys[0].device.type != "cpu" or keys[0].shape[0] > fused.MAX_BATCH
+            or cfg.head_dim % 2 or cfg.head_dim > fused.MAX_HEAD_DIM):
         return None
     rotaries, layers, keep = [], [], []
     unit_offset = None
@@ -195,5 +166,5 @@ def _build(model, cache) -> FusedDecoder | None:
     batch, _, slots, _ = keys[0].shape
     tables = [tuple(t.contiguous() for t in rotary(torch.arange(slots), torch.float32)) for rotary in rotaries]
     shape = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, batch, slots,
-             float(cfg.rms_norm_eps), int(unit_offset), _ACTS.get(cfg.hidden_act, 1), _CACHE_DTYPES[keys[0].dtype])
-    return FusedDecoder(model, cache, _fused_decode.plan(shape, layers), keep, tables)
+             float(cfg.rms_norm_eps), int(unit_offset), fused.ACTS.get(cfg.hidden_act, 1), _CACHE_DTYPES[keys[0].dtype])
+    return FusedDecoder(model, cache, fused.plan(shape, layers), keep, tables)

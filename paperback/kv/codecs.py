@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.kernels import attention
 from paperback.quantization.packing import pack_codes, packed_row_bytes, unpack_codes
 
 Fields = dict[str, torch.Tensor]
@@ -56,6 +57,11 @@ class KVCodec(ABC):
 
     def observe(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Each chunk's rotated queries and keys, before it is stored (a codec that ranks channels uses them)."""
+
+    def kernel_source(self, fields: Fields):
+        """How the C decode kernel reads this format's pool fields (num_blocks, Hkv, rows, width) in place
+        (paperback.kernels.attention), or None: decoded through PyTorch."""
+        return None
 
     def scale_bytes(self) -> int:
         """Bytes stored once per layer, beside the per-element bits (calibrated scales)."""
@@ -116,6 +122,9 @@ class FP8Codec(KVCodec):
     def scale_bytes(self) -> int:
         return self.scale.numel() * 4
 
+    def kernel_source(self, fields):
+        return attention.fp8_source(fields["codes"], self.scale, self.dtype) if attention.kernel_readable(fields) else None
+
 
 def _check_bits(bits: int, allowed: tuple[int, ...]) -> None:
     if bits not in allowed:
@@ -165,6 +174,11 @@ class TokenIntCodec(KVCodec):
     def bits_per_element(self, head_dim):
         return 8 * packed_row_bytes(head_dim, self.bits) / head_dim + 2 * PARAM_BITS / self.group
 
+    def kernel_source(self, fields):
+        if not attention.kernel_readable(fields):
+            return None
+        return attention.int_source(True, self.bits, self.group, fields["codes"], fields["scale"], fields["min"])
+
 
 class ChannelIntCodec(KVCodec):
     """Per channel, in groups of `tokens` consecutive tokens: KIVI's keys."""
@@ -189,6 +203,12 @@ class ChannelIntCodec(KVCodec):
         codes = unpack_codes(fields["codes"], self.bits, scale.shape[-1]).float()
         g = codes.unflatten(-2, (-1, self.token_group))
         return (g * scale.float()[..., None, :] + mn.float()[..., None, :]).flatten(-3, -2).to(dtype)
+
+    def kernel_source(self, fields):
+        if not attention.kernel_readable(fields):
+            return None
+        return attention.int_source(False, self.bits, self.token_group, fields["codes"], fields["scale"],
+                                    fields["min"])
 
     def bits_per_element(self, head_dim):
         return 8 * packed_row_bytes(head_dim, self.bits) / head_dim + 2 * PARAM_BITS / self.token_group

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paperback.kernels.attention import dense_decode_attention
 from paperback.models.config import RopeConfig
 
 
@@ -104,12 +105,6 @@ class ExactCopy:
     stored_until: torch.Tensor  # (T,) per query
 
 
-def _dense_decode(q, k, v, scaling):
-    from paperback.engine.paged_attention import dense_decode_attention  # here: the engine imports the models
-
-    return dense_decode_attention(q, k, v, scaling)
-
-
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,7 +139,7 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     unmasked_decode = exact is None and num_new == 1 and (window is None or num_keys <= window + head)
     if unmasked_decode:
-        out = _dense_decode(q, k, v, scaling)  # the C decode kernel, in place (any cache dtype it reads)
+        out = dense_decode_attention(q, k, v, scaling)  # the C decode kernel, in place (any cache dtype it reads)
         if out is not None:
             return out
     k, v = k.to(q.dtype), v.to(q.dtype)  # a cache kept narrower than the model (ContiguousKVCache's dtype)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from paperback.errors import ModelFileError, PaperbackError
-from paperback.quantization.kernels import packed_linear
+from paperback.kernels.packed import packed_linear
 from paperback.quantization.qlinear import QuantEmbedding
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paperback.quantization.kernels import packed_linear, packed_linears, reference_linear
+from paperback.kernels.packed import packed_linear, packed_linears, reference_linear
 from paperback.quantization.packing import pack_codes, packed_row_bytes, unpack_codes
 from paperback.quantization.rtn import QuantizedWeight
 from paperback.quantization.scheme import QuantScheme

@@ -40,7 +40,7 @@ def test_bench_config_validation():
         BenchConfig(decode_tokens=1)
     with pytest.raises(PaperbackError):
         BenchConfig(batches=(0,))
-    with pytest.raises(PaperbackError, match="fp32 or int8"):
+    with pytest.raises(PaperbackError, match="must be one of fp32, int8"):
         BenchConfig(decode_activations="int4")
     with pytest.raises(PaperbackError, match="threads"):
         BenchConfig(threads=0)
@@ -98,7 +98,8 @@ def test_step_profile_parts_add_up_and_everything_is_put_back(tmp_path):
     from helpers import tiny_llama_hf, write_llama_gguf
 
     from paperback.bench.step_profile import FUSED_ELEMENTWISE, PARTS, profile_decode
-    from paperback.generation.fused_decode import FusedDecoder, fused_decode
+    from paperback.generation.fused_decode import FusedDecoder
+    from paperback.kernels.fused import fused_decode
     from paperback.loading import load_model
     from paperback.models import blocks
     from paperback.quantization import QuantScheme

@@ -101,7 +101,7 @@ def test_plain_fallback_equals_the_fused_kernel():
 @pytest.mark.parametrize("window", [None, 20])
 def test_decode_kernel_equals_one_call_per_sequence(dtype, window):
     """The C kernel reads each sequence's blocks in place: the same as paged_attention per sequence."""
-    from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
+    from paperback.kernels.attention import decode_kernel_available, paged_decode_attention
 
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 40
@@ -135,7 +135,7 @@ def test_decode_kernel_equals_one_call_per_sequence(dtype, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_kernel_reads_16_bit_values_exactly(dtype, kernel_path):
     """With one key the output is that value row: every 16-bit value (subnormals, extremes) converts exactly."""
-    from paperback.engine.paged_attention import decode_kernel_available, paged_decode_attention
+    from paperback.kernels.attention import decode_kernel_available, paged_decode_attention
 
     info = torch.finfo(dtype)
     row = torch.tensor([info.tiny / 4, -info.tiny / 3, info.tiny, info.max, -info.max, 0.0, -0.0, 1.5,
@@ -168,7 +168,7 @@ def test_matches_dense_attention_on_cuda(seq_len, num_new, window):
 def test_decode_kernel_softmax_holds_from_flat_to_one_hot_scores(scaling, dim, kernel_path):
     """The kernel's vectorised exp: nearly equal scores, and scores so far apart that all but one underflow; a
     head of 24 takes the 8-lane (AVX2) loops even where the CPU has AVX-512."""
-    from paperback.engine.paged_attention import paged_decode_attention
+    from paperback.kernels.attention import paged_decode_attention
 
     torch.manual_seed(1)
     keys, values = torch.randn(8, 2, 16, dim), torch.randn(8, 2, 16, dim)
@@ -184,7 +184,7 @@ def test_decode_kernel_softmax_holds_from_flat_to_one_hot_scores(scaling, dim, k
 def test_dense_cache_decode_reads_the_cache_in_place(dtype):
     """A decode query over a preallocated dense cache's views (what ContiguousKVCache returns) takes the C
     kernel, one block per row, and gives what SDPA gives; a layout it cannot read is left to SDPA."""
-    from paperback.engine.paged_attention import dense_decode_attention
+    from paperback.kernels.attention import dense_decode_attention
 
     torch.manual_seed(0)
     cache_k, cache_v = torch.randn(2, 3, 300, 64).to(dtype), torch.randn(2, 3, 300, 64).to(dtype)
@@ -204,7 +204,7 @@ def test_dense_cache_decode_reads_the_cache_in_place(dtype):
 def test_dense_decode_over_head_dims_and_lengths(dim, length, kernel_path):
     """Head dims of 1 to 4 vectors and past 64 lanes (the value side's register spans), lengths below, at and
     past a 16-key score tile and a 64-slot chunk, with the tile's tail: what SDPA gives."""
-    from paperback.engine.paged_attention import dense_decode_attention
+    from paperback.kernels.attention import dense_decode_attention
 
     torch.manual_seed(dim + length)
     cache_k, cache_v = torch.randn(3, 2, 200, dim) * 2, torch.randn(3, 2, 200, dim)
@@ -227,9 +227,8 @@ def _quantized_codecs(name):
 @pytest.fixture(params=[True, False], ids=["simd", "portable"])
 def kernel_path(request):
     """The paged kernel's SIMD paths (AVX-512, AVX2, F16C) where the CPU has them, then its portable C."""
-    from paperback.engine import paged_attention
+    from paperback.kernels.attention import _paged_kernel as kernel
 
-    kernel = paged_attention._paged_kernel
     if kernel is None:
         pytest.skip("the paged decode kernel was not built (no C compiler at install)")
     previous = kernel.use_avx512(request.param)
@@ -243,8 +242,7 @@ def kernel_path(request):
 def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink, kernel_path):
     """Encoded blocks are decoded inside the kernel's loop exactly as the codec decodes them; blocks a staging table
     names are read exact from staging instead; a window with sinks sees both spans."""
-    from paperback.engine.paged_attention import ExactStaging, codec_source, decode_kernel_available, \
-        paged_decode_attention
+    from paperback.kernels.attention import ExactStaging, decode_kernel_available, paged_decode_attention
 
     torch.manual_seed(2)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 64, 32, 14
@@ -254,7 +252,7 @@ def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink,
     value_fields = {n: t.contiguous() for n, t in codec.encode(raw_v).items()}
     keys, values = codec.decode(key_fields, torch.float32), codec.decode(value_fields, torch.float32)
     stage_k, stage_v = torch.randn(5, kv_heads, bs, dim).half(), torch.randn(5, kv_heads, bs, dim).half()
-    if codec_source(codec, key_fields) is None or not decode_kernel_available(stage_k):
+    if codec.kernel_source(key_fields) is None or not decode_kernel_available(stage_k):
         pytest.skip("the paged decode kernel was not built (no C compiler at install)")
     lengths = [200, 77, 1]
     tables = torch.full((3, 7), -1)
@@ -263,7 +261,7 @@ def test_decode_kernel_reads_quantized_blocks_where_they_lie(name, window, sink,
     tables[0], tables[1, :3], tables[2, :1] = order[:7], order[7:10], order[10:11]
     stage_tables[0, 0], stage_tables[0, 6], stage_tables[1, 2], stage_tables[2, 0] = 3, 0, 4, 1  # sinks, recent
     q = torch.randn(3, heads, dim)
-    got = paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields), tables,
+    got = paged_decode_attention(q, codec.kernel_source(key_fields), codec.kernel_source(value_fields), tables,
                                  torch.tensor(lengths), 0.125, window, sink,
                                  ExactStaging(stage_k, stage_v, stage_tables), num_kv_heads=kv_heads, block_size=bs)
     for i, n in enumerate(lengths):
@@ -289,7 +287,7 @@ def test_decode_kernel_splits_long_sequences_over_threads_as_one_softmax(threads
     """Fewer (sequence, KV head) tasks than two per thread: each is split along its positions (cuts at multiples
     of 64, some of them holding no visible key under a window) and the parts merged by their maxima and sums:
     what one softmax over the visible keys gives."""
-    from paperback.engine.paged_attention import paged_decode_attention
+    from paperback.kernels.attention import paged_decode_attention
 
     torch.manual_seed(kv_heads + len(lengths) + (window or 0))
     heads, dim, bs = 3 * kv_heads, 64, 16
@@ -361,8 +359,8 @@ def test_int8_query_scores_are_the_rounded_query_against_the_codes(name, codec_a
     """--kv-scores int8: encoded keys meet the query rounded to int8 by integer dot products, sixteen keys at a
     time (runs cut short at a sequence's end, a window's edge and KIVI's token groups), with staged blocks still
     read exact: what the same rounding does in PyTorch, to fp32 rounding; and near the fp32 path."""
-    from paperback.engine.paged_attention import ExactStaging, codec_source, paged_decode_attention, set_kv_scores
-    from paperback.engine.paged_attention import _paged_kernel as kernel
+    from paperback.kernels.attention import ExactStaging, paged_decode_attention, set_kv_scores
+    from paperback.kernels.attention import _paged_kernel as kernel
     from paperback.kv.codecs import ChannelIntCodec, TokenIntCodec
 
     if kernel is None or not kernel.int_scores_available():
@@ -383,7 +381,7 @@ def test_int8_query_scores_are_the_rounded_query_against_the_codes(name, codec_a
     stage_tables = torch.full((4, 7), -1)
     stage_tables[0, 0], stage_tables[1, 2] = 2, 0
     q = torch.randn(len(lengths), heads, dim)
-    call = lambda: paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields),
+    call = lambda: paged_decode_attention(q, codec.kernel_source(key_fields), codec.kernel_source(value_fields),
                                           tables, torch.tensor(lengths), scaling, window, sink,
                                           ExactStaging(stage_k, stage_v, stage_tables), num_kv_heads=kv_heads,
                                           block_size=bs)
@@ -421,7 +419,7 @@ def test_int8_query_scores_are_the_rounded_query_against_the_codes(name, codec_a
 def test_decode_kernel_reads_every_fp8_byte_exactly(variant, kernel_path):
     """Every finite FP8 byte, subnormals and both zeros included, as the codec decodes it: values read one-hot (a
     single key seen) come back as the byte's value times the scale."""
-    from paperback.engine.paged_attention import codec_source, paged_decode_attention
+    from paperback.kernels.attention import paged_decode_attention
     from paperback.kv.codecs import FP8Codec
 
     codec = FP8Codec(variant, 0.75)
@@ -433,7 +431,7 @@ def test_decode_kernel_reads_every_fp8_byte_exactly(variant, kernel_path):
     key_fields = {"codes": torch.zeros(blocks, 1, bs, dim, dtype=torch.uint8).view(dtype)}
     value_fields = {"codes": rows.view(dtype).contiguous()}
     q = torch.zeros(blocks, 1, dim)
-    got = paged_decode_attention(q, codec_source(codec, key_fields), codec_source(codec, value_fields),
+    got = paged_decode_attention(q, codec.kernel_source(key_fields), codec.kernel_source(value_fields),
                                  torch.arange(blocks).view(blocks, 1), torch.ones(blocks, dtype=torch.int64), 1.0,
                                  num_kv_heads=1, block_size=bs)
     want = codec.decode(value_fields, torch.float32).view(blocks, 1, dim)
@@ -446,8 +444,8 @@ def test_kv_scores_choice_is_checked_and_restorable():
     import subprocess
     import sys
 
-    from paperback.engine.paged_attention import _paged_kernel, kv_scores_in_effect, set_kv_scores
     from paperback.errors import PaperbackError
+    from paperback.kernels.attention import _paged_kernel, kv_scores_in_effect, set_kv_scores
 
     with pytest.raises(PaperbackError, match="KV scores must be one of fp32, int8"):
         set_kv_scores("int4")
@@ -458,6 +456,6 @@ def test_kv_scores_choice_is_checked_and_restorable():
         assert kv_scores_in_effect() == "fp32"
     finally:
         set_kv_scores(previous)
-    bad = subprocess.run([sys.executable, "-c", "import paperback.engine.paged_attention"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-c", "import paperback.kernels.attention"], capture_output=True,
                          text=True, env={**__import__("os").environ, "PAPERBACK_KV_SCORES": "fast"})
-    assert bad.returncode != 0 and "KV scores must be one of fp32, int8, got 'fast'" in bad.stderr
+    assert bad.returncode != 0 and "PAPERBACK_KV_SCORES must be one of fp32, int8, got 'fast'" in bad.stderr

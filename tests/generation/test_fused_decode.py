@@ -6,14 +6,16 @@ import torch
 from helpers import MOE_KINDS, max_rel_error, tiny_hf, tiny_moe_hf
 from paperback.generation import ContiguousKVCache
 from paperback.generation import fused_decode as fd
+from paperback.kernels.attention import KERNEL_DTYPES
+from paperback.kernels.fused import _fused_decode, fused_decode
+from paperback.kernels.packed import kernel_available, kernel_modes
 from paperback.kv import QuantizedKVCache, build_policy
 from paperback.loading import load_model
 from paperback.quantization import QuantScheme
-from paperback.quantization import kernels
 from paperback.quantization.checkpoint import swap_in_quantized
 from paperback.quantization.model_pass import QuantizeConfig, quantize_model
 
-pytestmark = pytest.mark.skipif(fd._fused_decode is None or not kernels.kernel_available(),
+pytestmark = pytest.mark.skipif(_fused_decode is None or not kernel_available(),
                                 reason="the fused decode kernel is not built")
 
 
@@ -29,7 +31,7 @@ def packed(model_type: str, tmp_path, layer_schemes=None):
 def decode(model, ids, steps: int, fused: bool, cache_dtype=torch.float32):
     """Logits (B, steps, V) of greedy steps after the prompt, through a ContiguousKVCache."""
     batch, prompt = ids.shape
-    with fd.fused_decode(fused), torch.inference_mode():
+    with fused_decode(fused), torch.inference_mode():
         cache = ContiguousKVCache(model.config, batch, prompt + steps, cache_dtype)
         logits = model(ids, 0, cache, last_only=True)[:, -1]
         out = []
@@ -116,11 +118,11 @@ def test_cache_writes_round_as_torch_does(cache_dtype, f16c):
     values = torch.cat((special, torch.randn(4000) * torch.logspace(-9, 6, 4000))).contiguous()
     values = values[: values.numel() // 8 * 8]  # the F16C path takes rows of 8
     out = torch.empty(values.shape, dtype=cache_dtype)
-    previous = fd._fused_decode.use_f16c(f16c)
+    previous = _fused_decode.use_f16c(f16c)
     try:
-        fd._fused_decode.write_cache(values.data_ptr(), out.data_ptr(), values.numel(), fd._CACHE_DTYPES[cache_dtype])
+        _fused_decode.write_cache(values.data_ptr(), out.data_ptr(), values.numel(), KERNEL_DTYPES[cache_dtype])
     finally:
-        fd._fused_decode.use_f16c(previous)
+        _fused_decode.use_f16c(previous)
     expected = values.to(cache_dtype)
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)
@@ -141,15 +143,15 @@ def test_int8_activations_take_the_same_kernel(tmp_path):
     model = packed("gemma3", tmp_path)
     ids = torch.randint(1, 256, (2, 5))
     exact = decode(model, ids, 4, False)
-    with kernels.kernel_modes(decode="int8"):
+    with kernel_modes(decode="int8"):
         reference, fused = decode(model, ids, 4, False), decode(model, ids, 4, True)
     assert max_rel_error(fused, reference) < 0.1 * max_rel_error(reference, exact)
 
 
 def test_portable_kernel_paths(tmp_path):
     """The packed-weight and attention kernels' portable C (what a CPU without AVX runs) under the fused step."""
-    from paperback.engine import _paged_kernel
-    from paperback.quantization import _qkernel
+    from paperback.kernels import _paged_kernel
+    from paperback.kernels import _qkernel
 
     model = packed("qwen3", tmp_path)
     ids = torch.randint(1, 256, (1, 5))
@@ -177,7 +179,7 @@ def test_only_packed_models_over_a_dense_cache_qualify(tmp_path):
     for dtype in (torch.float16, torch.bfloat16):
         assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, dtype)) is not None
     assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float64)) is None
-    with fd.fused_decode(False):
+    with fused_decode(False):
         assert fd.plan_for(model, ContiguousKVCache(model.config, 1, 16, torch.float32)) is None
     # A plan belongs to one model: another model over the same cache does not reuse it.
     assert fd.plan_for(full, dense) is None and fd.plan_for(model, dense) is not None

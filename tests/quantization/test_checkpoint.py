@@ -98,10 +98,10 @@ def test_cli_quantize_then_every_command_accepts_the_directory(tmp_path, capsys)
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json"]) == 0
     capsys.readouterr()
     # the integer decode path, for this command only
-    from paperback.quantization import kernels
+    from paperback.kernels.settings import settings
 
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json", "--decode-activations", "int8"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3 and kernels.decode_activations == "fp32"
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3 and settings.decode_activations == "fp32"
     assert main(["generate", str(out), "Hello", "--max-tokens", "3", "--json", "--kv-cache-dtype", "fp16"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
     assert main(["info", str(out), "--json"]) == 0

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.kernels import packed
+from paperback.kernels.settings import settings
 from paperback.quantization import QuantScheme, quantize_rtn
-from paperback.quantization import kernels
 from paperback.quantization.qlinear import QuantLinear
 from tests.helpers import max_rel_error
 
@@ -23,19 +24,19 @@ def make_layer(scheme, out_features, in_features, bias=True, seed=0):
 @pytest.fixture(params=["amx", "avx512vnni", "avx512", "avxvnni", "avx2", "portable"])
 def simd(request):
     """Each code path the CPU runs, forced in turn."""
-    if kernels._qkernel.set_simd(request.param) != request.param:
-        kernels._qkernel.set_simd("best")
+    if packed._qkernel.set_simd(request.param) != request.param:
+        packed._qkernel.set_simd("best")
         pytest.skip(f"this CPU does not run the {request.param} path")
     yield request.param
-    kernels._qkernel.set_simd("best")
+    packed._qkernel.set_simd("best")
 
 
 def test_the_kernel_is_built():
-    assert kernels.kernel_available(), "the C extension did not build; reinstall with a C compiler"
+    assert packed.kernel_available(), "the C extension did not build; reinstall with a C compiler"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, kernels.GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, packed.GEMV_MAX_ROWS + 1])
 def test_kernel_matches_the_reference(scheme, rows, simd):
     # 584 and 45 exercise tails that are not multiples of the SIMD width or the group size.
     # 144 and 584 leave a tail of 16 and 8 columns past the last whole block of 32 (144: a Qwen2-MoE expert's
@@ -61,7 +62,7 @@ def test_decoding_one_token_matches_the_reference(scheme, simd):
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
 def test_kernel_dequantizes_exactly(scheme, simd):
     layer = make_layer(scheme, 37, 584, bias=False)
-    assert torch.equal(kernels.dequantize_cpu(layer), layer.dequantized_weight())
+    assert torch.equal(packed.dequantize_cpu(layer), layer.dequantized_weight())
 
 
 def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +74,9 @@ def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def int8_decode():
-    previous = kernels.set_decode_activations("int8")
+    previous = packed.set_decode_activations("int8")
     yield
-    kernels.set_decode_activations(previous)
+    packed.set_decode_activations(previous)
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if (s.group_size or 32) % 32 == 0], ids=lambda s: s.label)
@@ -101,8 +102,8 @@ def test_int8_decode_of_many_rows_takes_the_kernel_sixteen_rows_at_a_time(rows, 
     activations, alone or sharing the input (q, k, v); past that limit, the fp32 dequantized GEMM, exact on x."""
     first, second = make_layer(QuantScheme(4, 128), 48, 576), make_layer(QuantScheme(4, 128), 24, 576, seed=1)
     x = torch.randn(rows, 576) * torch.linspace(0.1, 4, 576)
-    chunked = rows <= kernels.INT8_CHUNKED_MAX_ROWS.get(simd, kernels.GEMV_MAX_ROWS)
-    for layer, got in zip((first, second), kernels.packed_linears([first, second], x)):
+    chunked = rows <= packed.INT8_CHUNKED_MAX_ROWS.get(simd, packed.GEMV_MAX_ROWS)
+    for layer, got in zip((first, second), packed.packed_linears([first, second], x)):
         assert torch.equal(got, layer(x))
         want = layer.reference_forward(rounded_to_int8_blocks(x) if chunked else x)
         assert max_rel_error(got, want) < 2e-6, (simd, rows)
@@ -115,14 +116,14 @@ def test_int8_decode_leaves_shapes_off_the_32_grid_on_the_float_path(int8_decode
         layer = make_layer(scheme, 16, in_features)
         x = torch.randn(2, in_features)
         got = layer(x)
-        kernels.set_decode_activations("fp32")
+        packed.set_decode_activations("fp32")
         assert torch.equal(got, layer(x))
-        kernels.set_decode_activations("int8")
+        packed.set_decode_activations("int8")
 
 
 def test_int8_decode_is_refused_by_name_when_unknown():
     with pytest.raises(PaperbackError, match="fp32, int8"):
-        kernels.set_decode_activations("int4")
+        packed.set_decode_activations("int4")
 
 
 def test_kernel_keeps_the_activation_dtype_and_handles_no_bias():
@@ -150,7 +151,7 @@ def test_kernel_result_does_not_depend_on_thread_count(threads):
 def test_disabling_the_kernel_falls_back_to_the_reference(monkeypatch):
     layer = make_layer(QuantScheme(4, 128), 16, 256)
     x = torch.randn(1, 256)
-    monkeypatch.setattr(kernels, "enabled", False)
+    monkeypatch.setattr(settings, "packed_matmul", False)
     assert torch.equal(layer(x), layer.reference_forward(x))
 
 
@@ -168,12 +169,12 @@ def test_gpu_path_matches_the_cpu_kernel(scheme):
 def test_prefill_tiles_cover_every_output_row(monkeypatch):
     # A tile of 3 rows for a 10-row layer: tiles of 3, 3, 3 and a last one of 1.
     layer = make_layer(QuantScheme(4, 64), 10, 128)
-    monkeypatch.setattr(kernels, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
-    x = torch.randn(kernels.GEMV_MAX_ROWS + 5, 128)
+    monkeypatch.setattr(packed, "DEQUANT_TILE_BYTES", 3 * 4 * 128)
+    x = torch.randn(packed.GEMV_MAX_ROWS + 5, 128)
     assert max_rel_error(layer(x), layer.reference_forward(x)) < 2e-6
 
 
-@pytest.mark.parametrize("rows", [1, 5, kernels.GEMV_MAX_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 5, packed.GEMV_MAX_ROWS + 3])
 def test_layers_sharing_an_input_share_one_call_with_the_same_results(rows, simd):
     scheme = QuantScheme(4, 64)
     layers = [make_layer(scheme, n, 576, bias=i == 0, seed=i) for i, n in enumerate([48, 16, 16])]
@@ -192,12 +193,12 @@ def test_bf16_prefill_is_the_bf16_matmul_of_the_dequantized_weight(out_features,
     """--prefill-matmul bf16: the packed weight dequantized, both operands rounded to bf16, one bf16 GEMM; decode
     rows keep their own path, and fp32 prefill stays exact."""
     layer = make_layer(QuantScheme(4, 128), out_features, in_features)
-    x = torch.randn(kernels.GEMV_MAX_ROWS + 24, in_features)
+    x = torch.randn(packed.GEMV_MAX_ROWS + 24, in_features)
     weight = layer.dequantized_weight(torch.float32)
-    with kernels.kernel_modes(prefill="bf16"):
+    with packed.kernel_modes(prefill="bf16"):
         got = layer(x)
         decode = layer(x[:1])
-    assert got.dtype == torch.float32 and kernels.prefill_matmul == "fp32"  # restored after the block
+    assert got.dtype == torch.float32 and settings.prefill_matmul == "fp32"  # restored after the block
     want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), layer.bias.bfloat16()).float()
     assert max_rel_error(got, want) < 1e-2  # the same bf16 arithmetic, tiled, with its output rounding
     assert max_rel_error(got, layer.reference_forward(x)) > 1e-4  # it did round
@@ -207,7 +208,7 @@ def test_bf16_prefill_is_the_bf16_matmul_of_the_dequantized_weight(out_features,
 
 def test_an_unknown_prefill_matmul_is_refused():
     with pytest.raises(PaperbackError, match="prefill matmul must be one of"):
-        kernels.set_prefill_matmul("int8")
+        packed.set_prefill_matmul("int8")
 
 
 def test_amx_tiles_and_torchs_own_amx_matmuls_interleave(int8_decode):

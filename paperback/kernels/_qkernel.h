@@ -22,7 +22,7 @@ typedef struct {
     int bits;
 } QMatrix;
 
-#define QKERNEL_CAPSULE "paperback.quantization._qkernel._C_API"
+#define QKERNEL_CAPSULE "paperback.kernels._qkernel._C_API"
 #define QKERNEL_MAX_MATRICES 128 /* matrices one gemm_many call takes (an MoE step: gate and up of 64 experts) */
 
 typedef struct {

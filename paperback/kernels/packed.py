@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
 from paperback.errors import PaperbackError
+from paperback.kernels.settings import checked, settings
 
 log = logging.getLogger(__name__)
 
 try:  # torch is imported first so the extension shares torch's libgomp (one thread pool)
-    from paperback.quantization import _qkernel
+    from paperback.kernels import _qkernel
 except ImportError as exc:  # built without a C compiler: reference path only
     _qkernel = None
     _IMPORT_ERROR = str(exc)
@@ -46,53 +46,32 @@ _warned = False
 _scratch = threading.local()
 
 
-# PAPERBACK_QKERNEL=0 forces the reference path (read once, at import).
-enabled = os.environ.get("PAPERBACK_QKERNEL", "1") != "0"
-
-# PAPERBACK_SIMD caps the kernel's code path (amx, avx512vnni, avx512, avxvnni, avx2, portable; default: the widest this
-# CPU runs), to measure one path against another or to step around one.
-if _qkernel is not None and os.environ.get("PAPERBACK_SIMD"):
+# settings.simd caps the kernel's code path (amx, avx512vnni, avx512, avxvnni, avx2, portable; default: the widest
+# this CPU runs), to measure one path against another or to step around one.
+if _qkernel is not None and settings.simd:
     try:
-        _qkernel.set_simd(os.environ["PAPERBACK_SIMD"])
+        _qkernel.set_simd(settings.simd)
     except ValueError as exc:
         raise PaperbackError(f"PAPERBACK_SIMD: {exc}") from None
 
-
-def _mode(value: str, allowed: tuple[str, ...], what: str) -> str:
-    """value, or a one-line user error naming the choices (the CLI prints it as such)."""
-    if value not in allowed:
-        raise PaperbackError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
-    return value
-
-
-# How decode rows meet the packed codes: "fp32" (the exact reference: codes converted to floats) or "int8"
-# (activations rounded to int8 in blocks of 32 and multiplied with integer dot products, as llama.cpp's Q8
-# blocks are; layers whose inputs or groups are not multiples of 32 stay fp32). PAPERBACK_DECODE_ACTIVATIONS
-# sets it at import; set_decode_activations() at run time.
-DECODE_ACTIVATIONS = ("fp32", "int8")
-decode_activations = _mode(os.environ.get("PAPERBACK_DECODE_ACTIVATIONS", "fp32"), DECODE_ACTIVATIONS,
-                           "PAPERBACK_DECODE_ACTIVATIONS")
-
-# How prefill rows (more than GEMV_MAX_ROWS) meet the weights: "fp32" (tiles dequantized to fp32, fp32 BLAS:
-# the exact reference) or "bf16" (tiles dequantized and rounded to bf16, activations rounded to bf16, a bf16
-# GEMM accumulating in fp32: what a bf16 model's matmuls do, fast where the CPU has AVX-512 BF16 or AMX).
-# PAPERBACK_PREFILL_MATMUL sets it at import; set_prefill_matmul() at run time.
-PREFILL_MATMULS = ("fp32", "bf16")
-prefill_matmul = _mode(os.environ.get("PAPERBACK_PREFILL_MATMUL", "fp32"), PREFILL_MATMULS,
-                       "PAPERBACK_PREFILL_MATMUL")
+# settings.decode_activations: how decode rows meet the packed codes: "fp32" (the exact reference: codes converted
+# to floats) or "int8" (activations rounded to int8 in blocks of 32 and multiplied with integer dot products, as
+# llama.cpp's Q8 blocks are; layers whose inputs or groups are not multiples of 32 stay fp32).
+# settings.prefill_matmul: how prefill rows (more than GEMV_MAX_ROWS) meet the weights: "fp32" (tiles dequantized
+# to fp32, fp32 BLAS: the exact reference) or "bf16" (tiles dequantized and rounded to bf16, activations rounded
+# to bf16, a bf16 GEMM accumulating in fp32: what a bf16 model's matmuls do, fast where the CPU has AVX-512 BF16
+# or AMX).
 
 
 def set_decode_activations(mode: str) -> str:
     """Choose how decode rows meet the packed codes ("fp32" or "int8"); returns the previous mode."""
-    global decode_activations
-    previous, decode_activations = decode_activations, _mode(mode, DECODE_ACTIVATIONS, "decode activations")
+    previous, settings.decode_activations = settings.decode_activations, checked("decode_activations", mode)
     return previous
 
 
 def set_prefill_matmul(mode: str) -> str:
     """Choose how prefill rows meet the packed weights ("fp32" or "bf16"); returns the previous mode."""
-    global prefill_matmul
-    previous, prefill_matmul = prefill_matmul, _mode(mode, PREFILL_MATMULS, "prefill matmul")
+    previous, settings.prefill_matmul = settings.prefill_matmul, checked("prefill_matmul", mode, "prefill matmul")
     return previous
 
 
@@ -112,7 +91,7 @@ def kernel_modes(decode: str | None = None, prefill: str | None = None):
 
 
 def kernel_available() -> bool:
-    return _qkernel is not None and enabled
+    return _qkernel is not None and settings.packed_matmul
 
 
 def kernel_simd() -> str:
@@ -184,7 +163,7 @@ def _dequantize_matmul(layer, x2: torch.Tensor, bias: torch.Tensor | None) -> to
     """x2 @ W^T for many rows: BLAS on tiles of W dequantized into a reused buffer (`prefill_matmul`: fp32
     tiles, or bf16 tiles and activations with an fp32 result)."""
     n, k = layer.out_features, layer.in_features
-    dtype = torch.bfloat16 if prefill_matmul == "bf16" else torch.float32
+    dtype = torch.bfloat16 if settings.prefill_matmul == "bf16" else torch.float32
     if dtype != torch.float32:
         x2, bias = x2.to(dtype), bias.to(dtype) if bias is not None else None
     tile = max(1, min(n, DEQUANT_TILE_BYTES // (4 * k)))
@@ -236,13 +215,13 @@ def _gemv(layers, x2: torch.Tensor) -> list[torch.Tensor]:
         mats.append((y.data_ptr(), *args[:3], bias.data_ptr() if bias is not None else 0, layer.out_features))
     _qkernel.gemm_many(x2.data_ptr(), x2.shape[0], first.in_features, first.scheme.bits,
                        first.scheme.group_size or first.in_features, torch.get_num_threads(), mats,
-                       decode_activations == "int8")
+                       settings.decode_activations == "int8")
     return outputs
 
 
 def _int8_chunked(rows: int, layer) -> bool:
     """Whether `rows` rows above GEMV_MAX_ROWS still take the kernel, sixteen at a time (INT8_CHUNKED_MAX_ROWS)."""
-    return (GEMV_MAX_ROWS < rows <= INT8_CHUNKED_MAX_ROWS.get(kernel_simd(), 0) and decode_activations == "int8"
+    return (GEMV_MAX_ROWS < rows <= INT8_CHUNKED_MAX_ROWS.get(kernel_simd(), 0) and settings.decode_activations == "int8"
             and _qkernel.int8_eligible(layer.in_features, layer.scheme.group_size or layer.in_features))
 
 

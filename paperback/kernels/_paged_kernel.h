@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#define PAGED_KERNEL_CAPSULE "paperback.engine._paged_kernel._C_API"
+#define PAGED_KERNEL_CAPSULE "paperback.kernels._paged_kernel._C_API"
 
 /* How a dense cache stores its keys and values. */
 enum { PAGED_FP32 = 0, PAGED_FP16 = 1, PAGED_BF16 = 2 };

@@ -37,7 +37,7 @@
 #include <string.h>
 
 #include "_paged_kernel.h"
-#include "../_sum16.h"
+#include "_sum16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1421,6 +1421,15 @@ PyMODINIT_FUNC PyInit__paged_kernel(void) {
     fill_spread_index();
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
+    /* What a source's kind and dtype numbers mean, for Python to read here rather than keep a copy of */
+    if (PyModule_AddIntConstant(mod, "SOURCE_NATIVE", SRC_NATIVE) < 0 || PyModule_AddIntConstant(mod, "SOURCE_FP8", SRC_FP8) < 0
+        || PyModule_AddIntConstant(mod, "SOURCE_TOKEN_INT", SRC_TOKEN_INT) < 0
+        || PyModule_AddIntConstant(mod, "SOURCE_CHANNEL_INT", SRC_CHANNEL_INT) < 0
+        || PyModule_AddIntConstant(mod, "DTYPE_FP32", DT_FP32) < 0 || PyModule_AddIntConstant(mod, "DTYPE_FP16", DT_FP16) < 0
+        || PyModule_AddIntConstant(mod, "DTYPE_BF16", DT_BF16) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
     static const PagedKernelAPI c_api = {dense_decode}; /* for other extensions: _paged_kernel.h */
     PyObject *capsule = PyCapsule_New((void *)&c_api, PAGED_KERNEL_CAPSULE, NULL);
     if (!capsule || PyModule_AddObject(mod, "_C_API", capsule) < 0) {

@@ -26,7 +26,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PB_X86 1
-#include "../_sum16.h"
+#include "_sum16.h"
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 

@@ -31,8 +31,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "../engine/_paged_kernel.h"
-#include "../quantization/_qkernel.h"
+#include "_paged_kernel.h"
+#include "_qkernel.h"
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
