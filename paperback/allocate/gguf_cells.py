@@ -22,6 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from paperback.errors import PaperbackError
+from paperback.progress import progress as stage_progress
 from paperback.quantization.awq import AWQConfig, search_block_scales
 from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.gguf_weight import GGUFWeight
@@ -53,7 +54,7 @@ class GGUFCells:
 
     def __init__(self, model, calibration: torch.Tensor, method: str = "rtn", gptq: GPTQConfig = GPTQConfig(),
                  batch_size: int = 8, awq: AWQConfig = AWQConfig(),
-                 scale_types: dict[str, GGUFType] | None = None):
+                 scale_types: dict[str, GGUFType] | None = None, progress: bool = False):
         if method not in CELL_METHODS:
             raise PaperbackError(f"a GGUF fit quantizes by {', '.join(CELL_METHODS)}, not '{method}'")
         if method == "awq":
@@ -66,10 +67,10 @@ class GGUFCells:
         self.tied = model.lm_head is None
         self._cells: dict[tuple[str, str], GGUFWeight] = {}
         self.folded: dict[str, torch.Tensor] = {}  # {module name: the AWQ scale folded into it}
-        self._hessians = self._measure(calibration, batch_size)
+        self._hessians = self._measure(calibration, batch_size, progress)
 
     @torch.inference_mode()
-    def _measure(self, calibration: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
+    def _measure(self, calibration: torch.Tensor, batch_size: int, progress: bool) -> dict[str, torch.Tensor]:
         """{reader param: its input Hessian}, through the full-precision blocks."""
         model = self.model
         device = model.model.embed_tokens.weight.device
@@ -79,7 +80,9 @@ class GGUFCells:
         hidden = [model.embed(b) for b in calibration.split(batch_size)]
         readers = sorted({input_reader(name) for name in BLOCK_LINEARS})
         hessians = {}
-        for idx, layer in enumerate(model.model.layers):
+        what = "AWQ scales and input statistics" if self.method == "awq" else "input statistics"
+        for idx, layer in stage_progress(list(enumerate(model.model.layers)), desc=what, unit="block",
+                                         enabled=progress):
             cos, sin = model.rotary_for(idx)(positions, model.dtype)
             if self.method == "awq":
                 self._fold_scales(idx, layer, hidden, cos, sin)

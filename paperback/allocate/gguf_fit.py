@@ -214,7 +214,7 @@ class GGUFFit:
         # AWQ's scales are searched at each tensor's anchor: the type its other prices are scaled from
         anchors = {param: anchor_type(kinds, cfg.anchor_bits) for param, kinds in self.priced.items()}
         cells = GGUFCells(lm.model, calibration_batch(lm.tokenizer, cfg.calibration()), cfg.method, cfg.gptq,
-                          awq=cfg.awq, scale_types=anchors)
+                          awq=cfg.awq, scale_types=anchors, progress=self.progress)
         self.seconds["statistics"] = time.perf_counter() - t0
         settings = {**cfg.price_settings(), "types": sorted({k.name for ks in self.priced.values() for k in ks})}
         key = hashlib.sha256(json.dumps({"model": model_fingerprint(lm.model), "text": text_fingerprint(self.text),

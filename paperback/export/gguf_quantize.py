@@ -101,7 +101,7 @@ def quantize_to_gguf(lm, types: dict[str, GGUFType], out: Path, method: str = "r
     if method == "awq":
         if calibration is None:
             raise PaperbackError("AWQ needs calibration text")
-        cells = GGUFCells(lm.model, calibration, "awq", scale_types=types)
+        cells = GGUFCells(lm.model, calibration, "awq", scale_types=types, progress=progress)
         results = {param: cells.quantize(param, kind) for param, kind in types.items()}
         for param, weight in results.items():  # the model holds what the file holds, as the other methods leave it
             cells.params[param].data.copy_(weight.dequantize())
