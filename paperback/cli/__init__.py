@@ -52,7 +52,11 @@ def _kernel_modes(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except PaperbackError as exc:  # a bad PAPERBACK_* setting, read as the kernel options are built
+        print(f"paperback: error: {exc}", file=sys.stderr)
+        return 2
     if args.command in RUNS_KERNELS:
         from paperback.system import warn_missing_kernels
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 
-from paperback.kernels.settings import CHOICES
 from paperback.loading.sources import BUNDLED_MODELS, DEFAULT_MODEL
 
 
@@ -108,6 +107,8 @@ def kv_cache_dtype(args: argparse.Namespace, command: str):
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
+    from paperback.kernels.settings import CHOICES  # here: it reads PAPERBACK_*, whose errors main() reports
+
     parser.add_argument("--decode-activations", default="fp32", choices=CHOICES["decode_activations"],
                         help="how decode steps meet packed weights: fp32 (exact; the default) or int8 (activations "
                              "rounded to int8 in blocks of 32 and multiplied with integer dot products, as "

@@ -6,7 +6,6 @@ import argparse
 
 from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg, kv_cache_dtype_name
 from paperback.cli.output import note
-from paperback.kernels.settings import CHOICES
 
 
 def parse_bytes(text: str) -> int:
@@ -44,6 +43,8 @@ def register(sub) -> None:
                    help="KV cache format of every layer (auto, fp32, fp16, bf16, fp8, int8, int4, kivi2, kivi4, "
                         "pnmix, with settings and retention (sink=, window=) as in `paperback eval "
                         "--kv-cache-dtype`); default (auto): the policy a fitted checkpoint carries, else fp32")
+    from paperback.kernels.settings import CHOICES  # here: it reads PAPERBACK_*, whose errors main() reports
+
     p.add_argument("--kv-scores", choices=CHOICES["kv_scores"], default="fp32",
                    help="how decode attention scores integer-coded keys (int8/int4/int2, KIVI): fp32 (codes decoded, "
                         "exact; the default) or int8 (each query rounded to int8 and multiplied with the codes by "

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paperback.kernels.attention import dense_decode_attention
 from paperback.models.config import RopeConfig
 
 
@@ -139,6 +138,10 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     unmasked_decode = exact is None and num_new == 1 and (window is None or num_keys <= window + head)
     if unmasked_decode:
+        # imported here, not at the top: the floor reads PAPERBACK_* as it loads, and a bad value is a user error
+        # the CLI reports once a command runs, not a traceback while paperback itself imports
+        from paperback.kernels.attention import dense_decode_attention
+
         out = dense_decode_attention(q, k, v, scaling)  # the C decode kernel, in place (any cache dtype it reads)
         if out is not None:
             return out
