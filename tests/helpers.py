@@ -336,3 +336,17 @@ class LiveServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.engine.shutdown()
+
+
+# A Llama-3-style shape small enough for tests; its vocabulary is SmolLM2's padded with reserved tokens.
+TINY_SHAPE_FIELDS = dict(name="tiny-llama3", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, vocab_size=49216, tie_word_embeddings=True)
+
+
+def tiny_shape_checkpoint(root: Path, **overrides):
+    """paperback.bench.shapes' files (Hugging Face directory and F16 GGUF) for a tiny Llama-3-style shape."""
+    from paperback.bench.shapes import LLAMA3_ROPE, ModelShape, build_shape
+    from paperback.loading import resolve_model
+
+    shape = ModelShape(**{**TINY_SHAPE_FIELDS, "rope_scaling": LLAMA3_ROPE, **overrides})
+    return build_shape(shape, root, resolve_model("smollm2").path, on_step=lambda _: None)

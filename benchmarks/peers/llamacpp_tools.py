@@ -7,8 +7,11 @@ ggml-org/llama.cpp#20824), the call is repeated with `--no-repack` and the resul
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,16 +32,27 @@ def built_for() -> str:
     return marker.read_text().strip() if marker.is_file() else "unknown"
 
 
-def _run(argv: list, what: str, repack_flag: str | None = None) -> tuple[str, bool]:
-    """(combined output, whether repacking stayed on) of one tool run; SystemExit with its tail on failure."""
-    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
+def _measured(argv: list[str]) -> tuple[int, str, int]:
+    """(exit status, stdout + stderr, the process's own peak RSS in bytes) of one run."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        return proc.returncode, out.read().decode(errors="replace"), usage.ru_maxrss * 1024
+
+
+def _run(argv: list, what: str, repack_flag: str | None = None, with_rss: bool = False):
+    """(combined output, whether repacking stayed on[, peak RSS bytes]) of one tool run; SystemExit with its
+    tail on failure."""
+    code, output, rss = _measured([str(a) for a in argv])
     repack = True
-    if proc.returncode in CRASHES and repack_flag:
-        proc = subprocess.run([str(a) for a in argv] + repack_flag.split(), capture_output=True, text=True)
+    if code in CRASHES and repack_flag:
+        code, output, rss = _measured([str(a) for a in argv] + repack_flag.split())
         repack = False
-    if proc.returncode:
-        raise SystemExit(f"{what} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return proc.stdout + proc.stderr, repack
+    if code:
+        raise SystemExit(f"{what} failed ({code}):\n{output[-3000:]}")
+    return (output, repack, rss) if with_rss else (output, repack)
 
 
 def quantize(source: Path, out: Path, recipe: str, imatrix: Path | None = None, threads: int = 2) -> None:
@@ -76,17 +90,39 @@ def kld(model: Path, text: Path, base: Path, context: int, chunks: int, threads:
             "same_top_p": number("Same top p") / 100, "repack": repack}
 
 
-def speed(model: Path, threads: int, prompt: int = 512, generate: int = 128, repetitions: int = 3) -> dict:
-    """llama-bench on `model`: prompt processing of `prompt` tokens and generation of `generate` tokens,
-    tokens/s (mean and standard deviation over `repetitions` runs)."""
-    import json
+def speed(model: Path, threads: int, prompt: int = 512, generate: int = 128, repetitions: int = 3,
+          depth: int = 0) -> dict:
+    """llama-bench on `model`: prompt processing of `prompt` tokens (from an empty cache) and generation of
+    `generate` tokens after `depth` tokens of context, tokens/s (mean and standard deviation over `repetitions`
+    runs), and the tool's peak RSS."""
+    found, repacks, rss = {}, [], 0
+    tests = [("prompt", ["-p", prompt, "-n", 0]), ("generate", ["-p", 0, "-n", generate, "-d", depth])]
+    if not depth:  # one call runs both
+        tests = [("both", ["-p", prompt, "-n", generate])]
+    for _, flags in tests:
+        output, repack, peak = _run([tool("llama-bench"), "-m", model, *flags, "-t", threads, "-r", repetitions,
+                                     "-o", "json"], f"llama-bench {Path(model).name}", "--repack 0", with_rss=True)
+        repacks.append(repack)
+        rss = max(rss, peak)
+        results, _ = json.JSONDecoder().raw_decode(output[output.index("["):])  # stdout's JSON, then the log
+        for test in results:
+            kind = "prompt" if test["n_prompt"] else "generate"
+            found[kind] = {"tokens": test["n_prompt"] or test["n_gen"], "tokens_per_s": test["avg_ts"],
+                           "stddev": test["stddev_ts"], "depth": test.get("n_depth", 0)}
+    return {**found, "threads": threads, "repetitions": repetitions, "repack": all(repacks),
+            "peak_rss_bytes": rss}
 
-    output, repack = _run([tool("llama-bench"), "-m", model, "-p", prompt, "-n", generate, "-t", threads,
-                           "-r", repetitions, "-o", "json"], f"llama-bench {Path(model).name}", "--repack 0")
+
+def batched_speed(model: Path, threads: int, prompt: int, generate: int, parallel: tuple[int, ...]) -> dict:
+    """llama-batched-bench on `model`: `p` sequences of `prompt` tokens each then `generate` tokens each, for
+    each p in `parallel`; {p: decode tokens/s summed over the sequences}."""
+    context = max(parallel) * (prompt + generate) + 16
+    output, _ = _run([tool("llama-batched-bench"), "-m", model, "-c", context, "-b", 2048, "-ub", 512,
+                      "-npp", prompt, "-ntg", generate, "-npl", ",".join(map(str, parallel)), "-t", threads,
+                      "--output-format", "jsonl"], f"llama-batched-bench {Path(model).name}")
     found = {}
-    tests, _ = json.JSONDecoder().raw_decode(output[output.index("["):])  # stdout's JSON, then stderr's log
-    for test in tests:
-        kind = "prompt" if test["n_prompt"] else "generate"
-        found[kind] = {"tokens": test["n_prompt"] or test["n_gen"], "tokens_per_s": test["avg_ts"],
-                       "stddev": test["stddev_ts"]}
-    return {**found, "threads": threads, "repetitions": repetitions, "repack": repack}
+    for line in output.splitlines():
+        if line.startswith("{") and '"speed_tg"' in line:
+            row = json.loads(line)
+            found[str(row["pl"])] = {"decode_tokens_per_s": row["speed_tg"], "prefill_tokens_per_s": row["speed_pp"]}
+    return found

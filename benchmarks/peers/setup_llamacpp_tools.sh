@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama.cpp's own command-line tools (.llamacpp-tools/bin): llama-quantize, llama-imatrix,
-# llama-perplexity, llama-bench and llama-server, compiled natively for this CPU from the
+# llama-perplexity, llama-bench, llama-batched-bench and llama-server, compiled natively for this CPU from the
 # llama.cpp tree vendored in the llama-cpp-python==0.3.36 source package (the pin
 # setup_llamacpp.sh uses). Benchmarks and tests marked `llamacpp` use them; the default
 # tests never do. About 10 minutes on 2 cores. Rerun after a change of CPU: the build is native.
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 VERSION=0.3.36
 DEST=$PWD/.llamacpp-tools
-TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-bench llama-server)
+TOOLS=(llama-quantize llama-imatrix llama-perplexity llama-bench llama-batched-bench llama-server)
 SRC=$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp
 mkdir -p "$DEST/src" "$DEST/bin"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then

@@ -152,19 +152,36 @@ def run(args: argparse.Namespace) -> int:
     samples = min(args.calib_samples, args.awq_samples) if args.method == "awq" else args.calib_samples
     calib_cfg = calibration_config(args, samples)
     expert_schemes = _expert_schemes(args)  # a bad budget or candidate is refused before the model loads
-    lm = load_model(args.model, "fp32")
-    extra = None
-    if expert_schemes:
-        config, extra = _natscale(lm, args, config, expert_schemes, calib_cfg)
-    summary = quantize_to_checkpoint(lm, config, calib_cfg, args.output, args.overwrite, progress=not args.json,
-                                     extra_recipe=extra)
+    summary = None if expert_schemes else _streamed(args, config)
+    if summary is None:
+        lm = load_model(args.model, "fp32")
+        extra = None
+        if expert_schemes:
+            config, extra = _natscale(lm, args, config, expert_schemes, calib_cfg)
+        summary = quantize_to_checkpoint(lm, config, calib_cfg, args.output, args.overwrite, progress=not args.json,
+                                         extra_recipe=extra)
     if args.json:
         print_json(summary)
     else:
-        print_table(f"quantized {lm.source.label}", ["field", "value"],
+        print_table(f"quantized {resolve_model(args.model).label}", ["field", "value"],
                     [[k, f"{v:.3f}" if isinstance(v, float) else v] for k, v in summary.items()])
         note(f"use it with: paperback eval {args.output}")
     return 0
+
+
+def _streamed(args: argparse.Namespace, config) -> dict | None:
+    """The summary of RTN quantization streamed tensor by tensor where the model and config allow it (never
+    the whole model in fp32), else None: the model is loaded and quantized in memory."""
+    from paperback.loading import resolve_model
+    from paperback.quantization.streaming import open_stream, stream_rtn_checkpoint, streams
+
+    source = resolve_model(args.model)
+    if not streams(config, source.kind):
+        return None
+    stream = open_stream(source)
+    if stream.config.moe is not None:
+        return None
+    return stream_rtn_checkpoint(stream, config, args.output, args.overwrite, progress=not args.json)
 
 
 def _expert_schemes(args: argparse.Namespace) -> list:

@@ -55,38 +55,50 @@ def assemble_model(config: ModelConfig, tensors, dtype: torch.dtype, label: str,
     if prepare is not None:
         model = prepare(model)
     meta_state = model.state_dict()
-    expected = {k: v.shape for k, v in meta_state.items()}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {label}", unit="tensor",
                              leave=False, disable=None):
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
-        if name not in expected:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # some tied checkpoints store the head anyway
-            raise ModelFileError(f"{label}: unexpected tensor '{name}' for a {config.family} model")
-        if tuple(tensor.shape) != tuple(expected[name]):
-            raise ModelFileError(
-                f"{label}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
-            )
-        wanted = meta_state[name].dtype
-        if tensor.is_floating_point() != wanted.is_floating_point or \
-                (not wanted.is_floating_point and tensor.dtype != wanted):
-            raise ModelFileError(f"{label}: tensor '{name}' is stored as {tensor.dtype}, which cannot hold what "
-                                 f"this layer needs ({wanted}): the file is corrupt or was edited")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ModelFileError(f"{label}: tensor '{name}' holds NaN or infinite values")
-        target = dtype if meta_state[name].dtype == torch.float32 else meta_state[name].dtype
-        state[name] = tensor.to(target)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ModelFileError(f"{label}: missing tensors: {shown}")
+        tensor = checked_tensor(name, tensor, meta_state, config, label)
+        if tensor is not None:
+            target = dtype if meta_state[name].dtype == torch.float32 else meta_state[name].dtype
+            state[name] = tensor.to(target)
+    check_complete(meta_state, state, label)
     model.load_state_dict(state, assign=True, strict=True)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return model.eval().requires_grad_(False)
+
+
+def check_complete(meta_state: dict, found, label: str) -> None:
+    """A ModelFileError naming the tensors the model needs (`meta_state`) that were not `found`."""
+    missing = sorted(set(meta_state) - set(found))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelFileError(f"{label}: missing tensors: {shown}")
+
+
+def checked_tensor(name: str, tensor: torch.Tensor, meta_state: dict, config: ModelConfig,
+                   label: str) -> torch.Tensor | None:
+    """`tensor` if it is what the model (`meta_state`: its state dict on the meta device) holds under `name`,
+    None where the file carries something derived or redundant; a ModelFileError naming what is wrong else."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name not in meta_state:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            return None  # some tied checkpoints store the head anyway
+        raise ModelFileError(f"{label}: unexpected tensor '{name}' for a {config.family} model")
+    expected = meta_state[name].shape
+    if tuple(tensor.shape) != tuple(expected):
+        raise ModelFileError(f"{label}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+    wanted = meta_state[name].dtype
+    if tensor.is_floating_point() != wanted.is_floating_point or \
+            (not wanted.is_floating_point and tensor.dtype != wanted):
+        raise ModelFileError(f"{label}: tensor '{name}' is stored as {tensor.dtype}, which cannot hold what "
+                             f"this layer needs ({wanted}): the file is corrupt or was edited")
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise ModelFileError(f"{label}: tensor '{name}' holds NaN or infinite values")
+    return tensor
 
 
 def _generation_eos(path) -> tuple[int, ...]:

@@ -183,8 +183,8 @@ class HFModelDir:
             # a value of the wrong type or out of range (strings for numbers, zero heads, ...)
             raise ModelFileError(f"{path}: malformed value ({exc})") from None
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in read_safetensors(self.shards):
+    def tensors(self, config: ModelConfig, one_at_a_time: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in read_safetensors(self.shards, one_at_a_time):
             name = _strip_language_prefix(name)
             yield (renamed(name, HF_MOE_RENAMES) if config.moe is not None else name), tensor
 
@@ -210,15 +210,24 @@ class HFModelDir:
         return list(self.tensor_shapes())
 
 
-def read_safetensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the given safetensors files; damaged files raise ModelFileError."""
+def read_safetensors(shards: list[Path], one_at_a_time: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the given safetensors files; damaged files raise ModelFileError.
+
+    one_at_a_time: map the file for each tensor and unmap it after, so the pages read stay out of this
+    process's resident set (a streaming pass then holds one tensor, not a shard)."""
     from safetensors import SafetensorError, safe_open
 
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+                keys = list(f.keys())
+                if not one_at_a_time:
+                    for key in keys:
+                        yield key, f.get_tensor(key)
+            for key in keys if one_at_a_time else ():
+                with safe_open(shard, framework="pt") as f:
+                    tensor = f.get_tensor(key)
+                yield key, tensor
         except SafetensorError as exc:
             raise ModelFileError(f"{shard} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
         except (OSError, RuntimeError) as exc:

@@ -63,18 +63,24 @@ def swap_in_quantized(model: DecoderLM, quantized: dict) -> DecoderLM:
 
 def save_checkpoint(model: DecoderLM, tokenizer, recipe: dict, out_dir: Path, overwrite: bool = False) -> Path:
     """Write a model whose quantized layers are QuantLinear modules."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return write_checkpoint(state, model.config, tokenizer, recipe, out_dir, overwrite)
+
+
+def write_checkpoint(state: dict[str, torch.Tensor], config: ModelConfig, tokenizer, recipe: dict, out_dir: Path,
+                     overwrite: bool = False) -> Path:
+    """Write a checkpoint directory from its tensors (`state`, as a packed model's state dict names them)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite) as tmp:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "paperback", "version": str(FORMAT_VERSION)})
         if tokenizer is not None:
             tokenizer.hf.save_pretrained(tmp)
         full_recipe = {"format_version": FORMAT_VERSION, "paperback_version": __version__,
-                       "model_config": model.config.to_dict(), **recipe,
+                       "model_config": config.to_dict(), **recipe,
                        "weights_sha256": weights_digest(tmp / WEIGHTS_FILE)}
         (tmp / RECIPE_FILE).write_text(json.dumps(full_recipe, indent=2))
     return out_dir

@@ -31,22 +31,33 @@ def save_quantized(lm, config: QuantizeConfig, calibration: CalibrationConfig | 
     packed layers swapped in, the recipe saying how it was made; returns a summary."""
     swap_in_quantized(lm.model, quantized)
     forward_dtype = "bf16" if autocast_dtype(config, lm.model.device) else "fp32"
-    recipe = {
-        "source_model": str(lm.source.path),
+    layers = {name: layer_entry(q) for name, q in quantized.items()}
+    recipe = quantized_recipe(lm.source.path, config, calibration, layers, seconds, forward_dtype, extra_recipe)
+    save_checkpoint(lm.model, lm.tokenizer, recipe, out_dir, overwrite=overwrite)
+    q_bits = sum(storage_bits(q) for q in quantized.values())
+    q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
+    return summary(out_dir, config, len(quantized), q_bits / q_weights, seconds)
+
+
+def quantized_recipe(source: Path, config: QuantizeConfig, calibration: CalibrationConfig | None, layers: dict,
+                     seconds: float, forward_dtype: str, extra_recipe: dict | None = None) -> dict:
+    """What a checkpoint's recipe.json says of how it was made (`layers`: each packed layer's entry)."""
+    return {
+        "source_model": str(source),
         "method": config.method,
         "scheme": config.scheme.to_dict() if not config.mixed_blocks else None,
         **(METHODS[config.method].recipe(config, forward_dtype) or {}),  # the method's own settings, under its name
         "modules": list(config.targets),
         "calibration": calibration.to_dict() if calibration is not None else None,
         "quantize_seconds": seconds,
-        "layers": {name: layer_entry(q) for name, q in quantized.items()},
+        "layers": layers,
         **(extra_recipe or {}),
     }
-    save_checkpoint(lm.model, lm.tokenizer, recipe, out_dir, overwrite=overwrite)
-    q_bits = sum(storage_bits(q) for q in quantized.values())
-    q_weights = sum(q.shape[0] * q.shape[1] for q in quantized.values())
-    return {"output": str(out_dir), "method": config.method, "scheme": config.label, "layers": len(quantized),
-            "bits_per_weight": q_bits / q_weights, "seconds": seconds}
+
+
+def summary(out_dir: Path, config: QuantizeConfig, layers: int, bits_per_weight: float, seconds: float) -> dict:
+    return {"output": str(out_dir), "method": config.method, "scheme": config.label, "layers": layers,
+            "bits_per_weight": bits_per_weight, "seconds": seconds}
 
 
 def layer_entry(q) -> dict:

@@ -18,6 +18,9 @@ from paperback.quantization.gguf_types import GGUFType
 from paperback.quantization.scheme import QuantScheme
 
 
+ROWS_PER_SLAB = 4096
+
+
 @dataclass
 class QuantizedWeight:
     """codes (out, in) uint8; scales, zeros (out, num_groups) fp32; group g covers scheme.group_bounds."""
@@ -83,8 +86,11 @@ def quantize_rtn(weight: torch.Tensor, scheme, importance: torch.Tensor | None =
     codes = torch.empty(weight.shape, dtype=torch.uint8)
     scales = torch.empty(out_features, groups)
     zeros = torch.empty(out_features, groups)
-    for g, (lo, hi) in enumerate(scheme.group_bounds(in_features)):
-        scale, zero = group_params(weight[:, lo:hi], scheme)
-        codes[:, lo:hi] = quantize_codes(weight[:, lo:hi], scale, zero, scheme.max_code).to(torch.uint8)
-        scales[:, g], zeros[:, g] = scale, zero
+    # Rows are independent: a slab at a time keeps the fp32 temporaries of a 128k-row embedding small.
+    for top in range(0, out_features, ROWS_PER_SLAB):
+        rows = slice(top, top + ROWS_PER_SLAB)
+        for g, (lo, hi) in enumerate(scheme.group_bounds(in_features)):
+            scale, zero = group_params(weight[rows, lo:hi], scheme)
+            codes[rows, lo:hi] = quantize_codes(weight[rows, lo:hi], scale, zero, scheme.max_code).to(torch.uint8)
+            scales[rows, g], zeros[rows, g] = scale, zero
     return QuantizedWeight(codes, scales, zeros, scheme)
