@@ -123,6 +123,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs inside each process (median)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batches")
+    parser.add_argument("--profile", action="store_true",
+                        help="then time a decode step's parts (paperback bench --profile) for the first paperback "
+                             "row at the most threads")
     add_tag_arg(parser)
     args = parser.parse_args()
     warn_if_busy()
@@ -167,6 +170,17 @@ def main() -> int:
                                   "decode": {b: round(d["decode_tokens_per_s"], 1) for b, d in r["decode"].items()},
                                   "peak_rss_MiB": round(r["peak_rss_bytes"] / 2 ** 20)}), flush=True)
     bandwidth_at = {t: max(b, fresh_process_bandwidth(t)) for t, b in bandwidth_at.items()}
+    profile = None
+    if args.profile:
+        name = next(r for r in chosen if rows[r].engine == "paperback")
+        print(f"profiling a decode step of {name}", flush=True)
+        profiled = run_in_worker("paperback", BenchConfig(**{
+            **cfg.to_dict(), "model": str(checkpoints[rows[name].checkpoint]), "threads": max(args.threads),
+            "profile": True, "repeats": 1}))
+        profile = {"row": name, "threads": max(args.threads), "by_batch": profiled["profile"]}
+        for batch, parts in profiled["profile"].items():
+            print(f"batch {batch}: {parts['ms_per_step']:.1f} ms per step: " + ", ".join(
+                f"{part} {ms:.1f}" for part, ms in sorted(parts["parts_ms"].items(), key=lambda kv: -kv[1]) if ms >= 0.05))
     table = summarize(results, rows, cfg, bandwidth_at)
     warn_if_busy(max(args.threads))
     print_summary(args.model, cfg, args.trials, bandwidth_at, table)
@@ -175,7 +189,7 @@ def main() -> int:
         "model": args.model, "config": cfg.to_dict(), "trials": args.trials,
         "llamacpp_built_for": llamacpp_tools.built_for(),
         "bandwidth_bytes_per_s_by_threads": {str(t): b for t, b in bandwidth_at.items()},
-        "rows": table, "runs": runs})
+        "rows": table, "step_profile": profile, "runs": runs})
     return 0
 
 
