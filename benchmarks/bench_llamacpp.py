@@ -88,6 +88,18 @@ def model_files(model: str) -> tuple[str, dict[str, Path]]:
     return str(built.hf_dir), built.gguf
 
 
+def quantized_checkpoint(model: str, source: str, name: str) -> Path:
+    """paperback's checkpoint `name` (a key of CHECKPOINTS) of `model`, quantized once and kept beside the
+    shapes' files (a shape's folder name carries its layout key, so a changed shape quantizes anew)."""
+    family = Path(source).parent.name if model != "smollm2" else model
+    out = cache_dir() / "shapes" / "paperback" / f"{family}-{name.replace(', ', '-').replace(' ', '')}"
+    if not (out / "recipe.json").is_file():
+        print(f"quantizing {model} as {name}", flush=True)
+        if paperback_cli(["quantize", source, "-o", str(out), "--json", "--overwrite", *CHECKPOINTS[name]]):
+            raise SystemExit(f"quantize failed for {name}")
+    return out
+
+
 def gguf_weight_bytes(path: Path) -> int:
     """Weight bytes a llama.cpp decode step reads: every tensor once (a tied embedding is read as the head; an
     untied one's single row is negligible)."""
@@ -140,16 +152,8 @@ def main() -> int:
     cfg = BenchConfig(model=source, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       batches=tuple(args.batch), repeats=args.repeats, decode_activations="int8",
                       kv_cache_dtype="fp16")
-    checkpoints = {}
-    # kept beside the shape's files (a shape's folder name carries its layout key)
-    family = Path(source).parent.name if args.model != "smollm2" else args.model
-    for name in {rows[r].checkpoint for r in chosen if rows[r].engine == "paperback"}:
-        out = cache_dir() / "shapes" / "paperback" / f"{family}-{name.replace(', ', '-').replace(' ', '')}"
-        if not (out / "recipe.json").is_file():
-            print(f"quantizing {args.model} as {name}", flush=True)
-            if paperback_cli(["quantize", source, "-o", str(out), "--json", "--overwrite", *CHECKPOINTS[name]]):
-                raise SystemExit(f"quantize failed for {name}")
-        checkpoints[name] = out
+    checkpoints = {name: quantized_checkpoint(args.model, source, name)
+                   for name in {rows[r].checkpoint for r in chosen if rows[r].engine == "paperback"}}
     bandwidth_at = {t: max(fresh_process_bandwidth(t) for _ in range(2)) for t in args.threads}
     results: dict[str, dict[int, list[dict]]] = {row: {t: [] for t in args.threads} for row in chosen}
     for trial in range(args.trials):
