@@ -130,8 +130,7 @@ async def one_request(client, url: str, model: str, request: Request) -> dict:
         async with client.stream("POST", url, json=body, timeout=None) as response:
             status = response.status_code
             if status != 200:
-                await response.aread()
-                return {"ok": False, "status": status}
+                return {"ok": False, "status": status, "error": (await response.aread()).decode()[:300]}
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -154,7 +153,9 @@ async def run_level(port: int, model: str, requests: list, clients: int) -> tupl
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     queue = list(reversed(requests))
     records: list[dict] = []
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    # a connection per request: llama-server closes idle keep-alive connections under the client (a reused one
+    # then fails as a protocol error)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client:
         async def worker():
             while queue:
@@ -182,7 +183,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
             "ttft_p99_s": percentile([r["ttft_s"] for r in done], 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
             "latency_p50_s": statistics.median(r["latency_s"] for r in done) if done else None,
-            "statuses": sorted({r["status"] for r in records if not r["ok"]})}
+            "errors": sorted({f"{r['status']}: {r.get('error', '')}" for r in records if not r["ok"]})}
 
 
 def prefix_hit_rate(port: int) -> float | None:
@@ -232,11 +233,11 @@ def main() -> int:
             if engine == "llama-server":
                 argv = [str(llamacpp_tools.tool("llama-server")), "-m", str(ggufs[gguf_name]), "--port", str(port),
                         "-t", str(args.threads), "-tb", str(args.threads), "-c", str(context), "-np", str(clients),
-                        "--kv-unified", "--no-webui"]
+                        "--kv-unified", "--no-webui", "--alias", "model"]
             else:
                 argv = [sys.executable, "-m", "paperback", "serve", str(checkpoint), "--port", str(port),
                         "--kv-cache-dtype", "fp16", "--kv-memory", str(kv_bytes), "--max-num-seqs", str(clients),
-                        "--decode-activations", "int8"]
+                        "--decode-activations", "int8", "--served-model-name", "model"]
             print(f"{clients} clients, {count} requests: {engine}", flush=True)
             threads = {"OMP_NUM_THREADS": str(args.threads)}  # paperback's torch threads; llama-server takes -t
             with Server(argv, port, logs / f"{engine}-{clients}.log", threads) as server:
@@ -246,15 +247,18 @@ def main() -> int:
             row = {"clients": clients, "engine": engine, **summarize(records, wall), "kv_bytes": kv_bytes,
                    "peak_rss_bytes": server.peak_rss_bytes, "prefix_hit_rate": hits}
             levels.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "statuses"}), flush=True)
+            print(json.dumps(row), flush=True)
     warn_if_busy(args.threads)
     table = []
     for row in levels:
         peer = next(r for r in levels if r["clients"] == row["clients"] and r["engine"] == "llama-server")
         row["throughput_vs_llamaserver"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        def seconds(value, scale=1.0, digits=2):
+            return "-" if value is None else f"{scale * value:.{digits}f}"
+
         table.append([str(row["clients"]), row["engine"], f"{row['output_tokens_per_s']:.1f}",
                       f"{row['throughput_vs_llamaserver']:.2f}x", f"{row['requests_per_s']:.2f}",
-                      f"{row['ttft_p50_s']:.2f}", f"{row['ttft_p99_s']:.2f}", f"{1e3 * row['itl_p99_s']:.0f}",
+                      seconds(row["ttft_p50_s"]), seconds(row["ttft_p99_s"]), seconds(row["itl_p99_s"], 1e3, 0),
                       str(row["failed"]), f"{row['peak_rss_bytes'] / 2 ** 20:.0f}",
                       f"{row['prefix_hit_rate']:.0%}" if row["prefix_hit_rate"] is not None else "-"])
     print_table(f"{args.model}: paperback serve beside llama-server, {args.threads} threads, the same W4 and KV bytes",

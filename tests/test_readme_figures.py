@@ -62,25 +62,36 @@ def test_the_gguf_table_matches_its_json():
         assert (prompt, generate) == (round(fit["prompt"]["ratio"], 2), round(fit["generate"]["ratio"], 2)), recipe
 
 
-# README's row names for benchmarks/results/llamacpp_smollm2.json's rows (2 threads)
-LLAMACPP_ROWS = {"llama.cpp, bundled Q4_1 GGUF": "llama.cpp bundled GGUF",
-                 "paperback W4a-g32 (Q4_1's bytes), fp32 activations": "paperback W4a-g32 fp32-act",
-                 "paperback W4a-g32, int8 activations": "paperback W4a-g32 int8-act",
-                 "paperback W4a-g128 with the head at W4, int8 activations": "paperback W4a-g128 head W4 int8-act",
-                 "the same with an f16 KV cache (`--kv-cache-dtype fp16`)":
-                     "paperback W4a-g128 head W4 int8-act, f16 KV"}
+# The README's llama.cpp table, row by row: (model of benchmarks/results/llamacpp_<model>.json, its row), 2 threads
+LLAMACPP_ROWS = [("llama-3.2-1b", "llama.cpp Q4_0"), ("llama-3.2-1b", "paperback W4s-g32, head W4a-g32"),
+                 ("llama-3.2-1b", "llama.cpp Q4_K_M"), ("llama-3.2-1b", "paperback W4a-g128, head W8"),
+                 ("llama-3.2-3b", "llama.cpp Q4_0"), ("llama-3.2-3b", "paperback W4s-g32, head W4a-g32"),
+                 ("llama-3.2-3b", "llama.cpp Q4_K_M"), ("llama-3.2-3b", "paperback W4a-g128, head W8"),
+                 ("smollm2", "llama.cpp bundled GGUF (Q4_1, Q8_0 head)"), ("smollm2", "paperback W4a-g32, head W8"),
+                 ("smollm2", "paperback W4a-g128, head W8")]
 
 
-def test_the_llamacpp_decode_table_matches_its_json():
-    result = json.loads((RESULTS / "llamacpp_smollm2.json").read_text())
-    rows = {r["row"]: r for r in result["rows"] if r["threads"] == 2}
-    for cells in readme_table("2 threads | prefill tok/s"):
-        row = rows[LLAMACPP_ROWS[cells[0]]]
-        assert int(cells[1].split()[0].replace(",", "")) == round(row["prefill_tokens_per_s"]), cells[0]
-        assert float(cells[2].split()[0]) == round(row["decode_tokens_per_s"], 1), cells[0]
-        assert cells[3] == f"{round(100 * row['roofline_fraction'])}%", cells[0]
-        if row["batch8_scaling"] is not None:
-            assert cells[4] == f"{row['batch8_scaling']:.1f} ({row['batch8_roofline_scaling']:.1f})", cells[0]
+def test_the_llamacpp_table_matches_its_json():
+    cells_by_row = readme_table("2 threads | weight MiB / step")
+    assert len(cells_by_row) == len(LLAMACPP_ROWS)
+
+    def value(cell: str) -> tuple:
+        """'19.2 (1.18x)' -> (19.2, 1.18); '16.3' -> (16.3, None); '-' -> (None, None)"""
+        found = re.match(r"([\d.]+)(?: \(([\d.]+)x\))?", cell)
+        return (float(found.group(1)), float(found.group(2)) if found.group(2) else None) if found else (None, None)
+
+    for cells, (model, name) in zip(cells_by_row, LLAMACPP_ROWS):
+        result = json.loads((RESULTS / f"llamacpp_{model}.json").read_text())
+        assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+        row = next(r for r in result["rows"] if r["threads"] == 2 and r["row"] == name)
+        assert int(cells[1]) == round(row["weight_MiB"]), name
+        for cell, key, ratio in ((cells[2], "prefill_tokens_per_s", "prefill_vs"),
+                                 (cells[3], "decode_tokens_per_s", "decode_vs"),
+                                 (cells[5], "batch8_tokens_per_s", "batch8_vs")):
+            expected = (round(row[key], 1) if row[key] else None,
+                        round(row[ratio], 2) if row.get(ratio) else None)
+            assert value(cell) == expected, (model, name, key)
+        assert cells[4] == f"{round(100 * row['roofline_fraction'])}%", name
 
 
 def test_the_serving_ratios_match_their_json():

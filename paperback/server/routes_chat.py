@@ -26,7 +26,9 @@ def chat_routes(s: Serving) -> APIRouter:
             prompt_ids = await s.chat_prompt(body.messages)
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             params = s.params_for(prompt_ids, body, body.max_completion_tokens or body.max_tokens,
-                                  stop_token_ids=tuple(sorted(s.tokenizer.end_of_turn_ids)), logprobs=logprobs,
+                                  # ignore_eos ignores the end of a turn too, as vLLM ignores every EOS id
+                                  stop_token_ids=() if body.ignore_eos else tuple(sorted(s.tokenizer.end_of_turn_ids)),
+                                  logprobs=logprobs,
                                   output_kind="delta" if body.stream else "final")
         except NoChatTemplate as exc:
             s.engine.metrics.rejected.labels("invalid").inc()

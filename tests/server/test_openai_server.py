@@ -112,3 +112,15 @@ def test_full_queue_answers_429_with_retry_after(smollm2):
         with pytest.raises(openai.RateLimitError) as info:
             live.client().completions.create(model="smollm2", prompt="Hello", max_tokens=2)
         assert info.value.response.headers["retry-after"] == "1"
+
+
+def test_chat_ignore_eos_writes_through_the_end_of_turn(served):
+    """ignore_eos ignores the end-of-turn token too (vLLM ignores every EOS id): a benchmark asking for N
+    tokens gets N, as llama-server gives them."""
+    _, url, _ = served
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+            "max_tokens": 48, "temperature": 0}
+    stopped = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] < 48
+    forced = httpx.post(f"{url}/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=120).json()
+    assert forced["choices"][0]["finish_reason"] == "length" and forced["usage"]["completion_tokens"] == 48
