@@ -339,8 +339,8 @@ class LiveServer:
 
 
 # A Llama-3-style shape small enough for tests; its vocabulary is SmolLM2's padded with reserved tokens.
-TINY_SHAPE_FIELDS = dict(name="tiny-llama3", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, vocab_size=49216, tie_word_embeddings=True)
+TINY_SHAPE_FIELDS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49216, "tie_word_embeddings": True}
 
 
 def tiny_shape_checkpoint(root: Path, **overrides):
@@ -348,5 +348,5 @@ def tiny_shape_checkpoint(root: Path, **overrides):
     from paperback.bench.shapes import LLAMA3_ROPE, ModelShape, build_shape
     from paperback.loading import resolve_model
 
-    shape = ModelShape(**{**TINY_SHAPE_FIELDS, "rope_scaling": LLAMA3_ROPE, **overrides})
+    shape = ModelShape("tiny-llama3", {**TINY_SHAPE_FIELDS, "rope_scaling": LLAMA3_ROPE, **overrides})
     return build_shape(shape, root, resolve_model("smollm2").path, on_step=lambda _: None)

@@ -35,56 +35,55 @@ GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "
               "down": "ffn_down"}
 
 
+# What every shape's config.json shares: a Llama decoder as transformers writes it.
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16", "rope_theta": 500000.0,
+                "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-family architecture's shapes (what its config.json says)."""
+    """A Llama-family architecture by name and the config.json fields that give its shapes; paperback's own
+    reader of config.json turns them into the model's config."""
 
     name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    rope_theta: float = 500000.0
-    rope_scaling: dict | None = None  # config.json's rope_scaling (Llama 3.x: "llama3")
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 131072
+    fields: dict
+
+    def hf_config(self) -> dict:
+        return {**LLAMA_CONFIG, **self.fields, "_name_or_path": f"{self.name} (random weights)"}
+
+    @property
+    def config(self):
+        from paperback.loading.hf_dir import config_from_hf
+
+        return config_from_hf(self.hf_config(), Path(self.name) / "config.json")
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each block linear, by short name."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        h, m = self.hidden_size, self.intermediate_size
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h, m = c.hidden_size, c.intermediate_size
         return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (m, h), "up": (m, h), "down": (h, m)}
 
     def parameter_count(self) -> int:
-        block = sum(o * i for o, i in self.linears().values()) + 2 * self.hidden_size
-        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self.num_layers * block + self.vocab_size * self.hidden_size + head + self.hidden_size
-
-    def hf_config(self) -> dict:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab_size,
-                "tie_word_embeddings": self.tie_word_embeddings, "rope_theta": self.rope_theta,
-                "rope_scaling": self.rope_scaling, "rms_norm_eps": self.rms_norm_eps,
-                "max_position_embeddings": self.max_position_embeddings, "attention_bias": False,
-                "mlp_bias": False, "torch_dtype": "bfloat16", "_name_or_path": f"{self.name} (random weights)"}
+        c = self.config
+        block = sum(o * i for o, i in self.linears().values()) + 2 * c.hidden_size
+        head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        return c.num_layers * block + c.vocab_size * c.hidden_size + head + c.hidden_size
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 # The shapes of Meta's Llama 3.2 models (their config.json files).
 SHAPES: dict[str, ModelShape] = {
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", hidden_size=2048, intermediate_size=8192, num_layers=16,
-                               num_heads=32, num_kv_heads=8, head_dim=64, vocab_size=128256,
-                               tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE),
-    "llama-3.2-3b": ModelShape("llama-3.2-3b", hidden_size=3072, intermediate_size=8192, num_layers=28,
-                               num_heads=24, num_kv_heads=8, head_dim=128, vocab_size=128256,
-                               tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE),
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_ROPE}),
+    "llama-3.2-3b": ModelShape("llama-3.2-3b", {
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_ROPE}),
 }
 
 
@@ -96,17 +95,17 @@ def shape_named(name: str) -> ModelShape:
 
 def _tensor_plan(shape: ModelShape) -> list[tuple[str, str, tuple[int, ...], str]]:
     """(Hugging Face name, GGUF name, shape as torch holds it, kind) of every tensor, in file order."""
-    plan = [("model.embed_tokens.weight", "token_embd.weight", (shape.vocab_size, shape.hidden_size), "embed")]
-    for i in range(shape.num_layers):
+    c = shape.config
+    plan = [("model.embed_tokens.weight", "token_embd.weight", (c.vocab_size, c.hidden_size), "embed")]
+    for i in range(c.num_layers):
         prefix, blk = f"model.layers.{i}.", f"blk.{i}."
-        plan.append((prefix + "input_layernorm.weight", blk + "attn_norm.weight", (shape.hidden_size,), "norm"))
+        plan.append((prefix + "input_layernorm.weight", blk + "attn_norm.weight", (c.hidden_size,), "norm"))
         for short, dims in shape.linears().items():
             plan.append((f"{prefix}{HF_NAMES[short]}.weight", f"{blk}{GGUF_NAMES[short]}.weight", dims, short))
-        plan.append((prefix + "post_attention_layernorm.weight", blk + "ffn_norm.weight", (shape.hidden_size,),
-                     "norm"))
-    plan.append(("model.norm.weight", "output_norm.weight", (shape.hidden_size,), "norm"))
-    if not shape.tie_word_embeddings:
-        plan.append(("lm_head.weight", "output.weight", (shape.vocab_size, shape.hidden_size), "head"))
+        plan.append((prefix + "post_attention_layernorm.weight", blk + "ffn_norm.weight", (c.hidden_size,), "norm"))
+    plan.append(("model.norm.weight", "output_norm.weight", (c.hidden_size,), "norm"))
+    if not c.tie_word_embeddings:
+        plan.append(("lm_head.weight", "output.weight", (c.vocab_size, c.hidden_size), "head"))
     return plan
 
 
@@ -149,15 +148,14 @@ def write_hf_dir(shape: ModelShape, out: Path, seed: int = 0) -> None:
 def rope_freq_factors(shape: ModelShape) -> np.ndarray | None:
     """llama.cpp's `rope_freqs.weight`: how much each rotary frequency is divided by under the shape's
     rope scaling (llama.cpp reads Llama 3's scaling from this tensor, not from metadata)."""
-    from paperback.loading.hf_dir import _rope_from_hf
     from paperback.models.config import RopeConfig
     from paperback.models.layers import rope_inv_freq
 
-    if not shape.rope_scaling:
+    c = shape.config
+    if c.rope.scaling_type == "default":
         return None
-    scaled = _rope_from_hf(shape.hf_config(), Path("config.json"))
-    plain = rope_inv_freq(RopeConfig(theta=shape.rope_theta), shape.head_dim)
-    return (plain / rope_inv_freq(scaled, shape.head_dim)).numpy().astype(np.float32)
+    plain = rope_inv_freq(RopeConfig(theta=c.rope.theta), c.head_dim)
+    return (plain / rope_inv_freq(c.rope, c.head_dim)).numpy().astype(np.float32)
 
 
 def _vocabulary(source, size: int) -> dict:
@@ -182,23 +180,24 @@ def write_f16_gguf(shape: ModelShape, out: Path, vocabulary_source: Path, seed: 
 
     from paperback.export.gguf_export import permute_rope_rows
 
+    c = shape.config
     source = gguf.GGUFReader(vocabulary_source)
-    vocab = _vocabulary(source, shape.vocab_size)
+    vocab = _vocabulary(source, c.vocab_size)
     tmp = out.with_name(out.name + f".partial{os.getpid()}")
     writer = gguf.GGUFWriter(tmp, "llama")
     writer.add_name(f"{shape.name} (random weights)")
-    writer.add_context_length(shape.max_position_embeddings)
-    writer.add_embedding_length(shape.hidden_size)
-    writer.add_block_count(shape.num_layers)
-    writer.add_feed_forward_length(shape.intermediate_size)
-    writer.add_head_count(shape.num_heads)
-    writer.add_head_count_kv(shape.num_kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    writer.add_vocab_size(shape.vocab_size)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope.theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for key, field in vocab["fields"].items():
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
@@ -223,7 +222,7 @@ def write_f16_gguf(shape: ModelShape, out: Path, vocabulary_source: Path, seed: 
         for hf_name, gguf_name, dims, kind in plan:
             data = random_tensor(hf_name, dims, kind, seed).float().numpy()
             if kind in ("q", "k"):
-                data = permute_rope_rows(data, shape.num_heads if kind == "q" else shape.num_kv_heads)
+                data = permute_rope_rows(data, c.num_heads if kind == "q" else c.num_kv_heads)
             writer.write_tensor_data(np.ascontiguousarray(data.astype(np.float32 if kind == "norm" else np.float16)))
         if freqs is not None:
             writer.write_tensor_data(freqs)

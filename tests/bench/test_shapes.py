@@ -36,7 +36,7 @@ def test_files_are_reused_and_keyed_by_shape_and_seed(tiny):
     assert tiny_shape_checkpoint(root) == tiny
     shape = tiny.shape
     folders = {shape_folder(root, shape), shape_folder(root, shape, seed=1),
-               shape_folder(root, dataclasses.replace(shape, num_layers=1))}
+               shape_folder(root, dataclasses.replace(shape, fields={**shape.fields, "num_hidden_layers": 1}))}
     assert len(folders) == 3 and tiny.hf_dir.parent in folders
     index = json.loads((tiny.hf_dir / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) >= {"model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"}
