@@ -121,3 +121,15 @@ def test_the_demo_table_matches_its_json():
     assert rows["KL to the full model"][1].startswith(f"{fitted['wikitext2']['kl_divergence']:.4f} nats/token")
     speed = rows["decode tokens/s, batch 1 (exact cache)"]
     assert speed == [f"{full['decode_tokens_per_s']:.1f}", f"{fitted['decode_tokens_per_s']:.1f}"]
+
+
+def test_the_llamaserver_line_matches_its_json():
+    result = json.loads((RESULTS / "llamaserver_smollm2.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    level = {(r["clients"], r["engine"]): r for r in result["levels"]}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    paperback = {c: level[c, "paperback"] for c in (1, 16, 64)}
+    assert f"{paperback[16]['throughput_vs_llamaserver']:.2f}x its output tokens/s at 16 clients" in readme
+    assert (f"({paperback[16]['ttft_p99_s']:.1f} s against {level[16, 'llama-server']['ttft_p99_s']:.1f} s), "
+            f"{paperback[64]['throughput_vs_llamaserver']:.2f}x at 64, but "
+            f"{paperback[1]['throughput_vs_llamaserver']:.2f}x at one client") in readme
