@@ -199,7 +199,10 @@ def main() -> int:
 
 def kv_bytes_per_token(cfg: BenchConfig) -> int:
     """f16 K and V of every layer: the cache bytes one context token costs both engines here."""
+    import torch
+
     from paperback.loading.hf_dir import HFModelDir
+    from paperback.memory import dense_kv_bytes_per_token
 
     if Path(cfg.model).is_dir():
         config = HFModelDir(cfg.model).config()
@@ -207,7 +210,7 @@ def kv_bytes_per_token(cfg: BenchConfig) -> int:
         from paperback.loading.gguf_file import GGUFModelFile
 
         config = GGUFModelFile(resolve_model(cfg.model).path).config()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    return dense_kv_bytes_per_token(config, torch.float16)
 
 
 def summarize(results: dict, rows: dict[str, Row], cfg: BenchConfig, bandwidth_at: dict[int, float]) -> list[dict]:

@@ -275,10 +275,12 @@ def main() -> int:
 
 def kv_bytes_per_token(checkpoint: Path) -> int:
     """f16 K and V of every layer: one token state in either server's cache."""
+    import torch
+
+    from paperback.memory import dense_kv_bytes_per_token
     from paperback.quantization.checkpoint import config_from_recipe, read_recipe
 
-    config = config_from_recipe(read_recipe(checkpoint), checkpoint)
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    return dense_kv_bytes_per_token(config_from_recipe(read_recipe(checkpoint), checkpoint), torch.float16)
 
 
 if __name__ == "__main__":

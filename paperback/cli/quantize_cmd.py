@@ -124,7 +124,7 @@ def _run_gguf(args: argparse.Namespace, parser_defaults: dict) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from paperback.errors import PaperbackError
-    from paperback.loading import load_model
+    from paperback.loading import load_model, resolve_model
     from paperback.quantization import GPTQConfig, QuantScheme
     from paperback.quantization.awq import AWQConfig
     from paperback.plan.planner import parse_weight_scheme
@@ -179,7 +179,7 @@ def _streamed(args: argparse.Namespace, config) -> dict | None:
     if not streams(config, source.kind):
         return None
     stream = open_stream(source)
-    if stream.config.moe is not None:
+    if stream is None:
         return None
     return stream_rtn_checkpoint(stream, config, args.output, args.overwrite, progress=not args.json)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from paperback.errors import UnsupportedModelError
 from paperback.models import ModelConfig, build_model
 from paperback.progress import progress as stage_progress
 from paperback.quantization.linears import BLOCK_LINEARS, EMBED_PARAM, HEAD_PARAM
@@ -38,14 +37,14 @@ class StreamSource:
     tokenizer: Callable[[], object]
 
 
-def _hf_source(source) -> StreamSource:
+def _hf_source(source) -> StreamSource | None:
     from paperback.loading import _generation_eos
     from paperback.loading.hf_dir import HFModelDir
     from paperback.loading.tokenizer import tokenizer_from_dir
 
     hf_dir = HFModelDir(source.path)
     if "quantization_config" in hf_dir.hf_config:
-        raise UnsupportedModelError(f"{source.label} is already quantized")
+        return None  # packed by another tool: loaded through its importer, then quantized in memory
     config = hf_dir.config()
     return StreamSource(source.label, source.path, config, lambda: hf_dir.tensors(config, one_at_a_time=True),
                         len(hf_dir.tensor_shapes()),
@@ -98,9 +97,11 @@ def quantized_params(model_config: ModelConfig, config: QuantizeConfig) -> dict[
     return chosen
 
 
-def open_stream(source) -> StreamSource:
-    """`source` (a loading.sources.ModelSource of a kind in STREAM_SOURCES) opened for streaming."""
-    return STREAM_SOURCES[source.kind](source)
+def open_stream(source) -> StreamSource | None:
+    """`source` (a loading.sources.ModelSource of a kind in STREAM_SOURCES) opened for streaming; None where
+    its tensors cannot be read one by one as the model's (packed by another tool, or an MoE's expert stacks)."""
+    stream = STREAM_SOURCES[source.kind](source)
+    return stream if stream is not None and stream.config.moe is None else None
 
 
 def stream_rtn_checkpoint(stream: StreamSource, config: QuantizeConfig, out_dir: Path, overwrite: bool = False,
@@ -133,8 +134,7 @@ def stream_rtn_checkpoint(stream: StreamSource, config: QuantizeConfig, out_dir:
         state.update({f"{module}.{key}": value for key, value in packed.state_dict().items()})
         layers[name] = layer_entry(q)
         bits, weights = bits + storage_bits(q), weights + q.shape[0] * q.shape[1]
-    check_complete({k: v for k, v in meta_state.items() if k != HEAD_PARAM or not stream.config.tie_word_embeddings},
-                   seen, stream.label)
+    check_complete(meta_state, seen, stream.label)
     seconds = time.perf_counter() - start
     recipe = quantized_recipe(stream.path, config, None, layers, seconds, "fp32")
     write_checkpoint(state, stream.config, stream.tokenizer(), recipe, out_dir, overwrite)

@@ -68,3 +68,9 @@ def test_what_streams():
     assert streams(QuantizeConfig("rtn"), "hf") and streams(QuantizeConfig("rtn"), "gguf")
     assert not streams(QuantizeConfig("rtn"), "paperback")  # already packed
     assert not streams(QuantizeConfig("gptq"), "hf")  # calibrated: block by block through the model
+
+
+def test_streamed_quantize_prints_its_table(tiny, tmp_path, capsys):
+    assert cli(["quantize", str(tiny.hf_dir), "-o", str(tmp_path / "w4"), "--method", "rtn"]) == 0
+    out = capsys.readouterr().out
+    assert "quantized" in out and "bits_per_weight" in out
