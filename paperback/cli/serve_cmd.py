@@ -138,7 +138,7 @@ def read_chat_template(value: str) -> str:
     return text
 
 
-def capacity_lines(engine, kv_memory: int, prefix_caching: bool) -> list[str]:
+def capacity_lines(engine, kv_memory: int) -> list[str]:
     """What the KV budget holds, as the engine laid it out, beside what fp16 KV would hold in it."""
     from paperback.engine.pool_layout import pool_layout
     from paperback.kv import build_policy
@@ -156,9 +156,6 @@ def capacity_lines(engine, kv_memory: int, prefix_caching: bool) -> list[str]:
                   if layout.max_num_seqs < layout.requested_num_seqs else "")
         lines.append(f"exact staging: {layout.stage_bytes / 2**20:,.1f} MiB in 16-bit for up to "
                      f"{layout.max_num_seqs} running sequences{capped}")
-    if prefix_caching and not engine.prefix_caching:
-        lines.append("prefix caching is off for this KV format: its exact recent window or sinks live only in "
-                     "each sequence's staging, so a cached block cannot start another request")
     return lines
 
 
@@ -224,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     runner = AsyncEngine(engine, max_waiting=args.max_waiting, model_name=name)
     note(f"serving {name} on http://{args.host}:{args.port}/v1 (up to {engine.max_model_len} tokens a request"
          f"{'; API key required' if api_key else ''})")
-    for line in capacity_lines(engine, kv_memory, args.enable_prefix_caching):
+    for line in capacity_lines(engine, kv_memory):
         note(line)
     set_kv_scores(args.kv_scores)
     if args.kv_scores == "int8" and kv_scores_in_effect() != "int8":

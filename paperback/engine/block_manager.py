@@ -151,6 +151,10 @@ class BlockManager:
         cached = cached_blocks * self.block_size
         return num_tokens if max_new is None else min(num_tokens, cached + max_new)
 
+    def prefix_hashes(self, tokens: list[int], blocks: int) -> list[bytes]:
+        """The chain hashes of the first `blocks` blocks of `tokens`."""
+        return self._block_hashes(tokens[:blocks * self.block_size])
+
     def cached_blocks(self, tokens: list[int]) -> int:
         """Leading blocks of `tokens` the prefix cache holds now."""
         return len(self._cached_prefix(tokens))

@@ -76,13 +76,16 @@ class GroupedBlocks:
     """
 
     def __init__(self, groups: list[CacheGroup], num_blocks: list[int], block_size: int,
-                 prefix_caching: bool = True, salt: bytes = b"", step_tokens: int = 512):
+                 prefix_caching: bool = True, salt: bytes = b"", step_tokens: int = 512, prefix_limit=None):
+        """prefix_limit(hashes) -> blocks: how many leading blocks of a cached prefix (its blocks' hashes) the KV
+        pool can take (`PagedKVPool.usable_prefix`); None: all of them."""
         if len(groups) != len(num_blocks):
             raise PaperbackError(f"{len(groups)} cache groups but {len(num_blocks)} pool sizes")
         self.groups = groups
         self.block_size = block_size
         self.step_tokens = step_tokens
         self.managers = [BlockManager(n, block_size, prefix_caching, salt) for n in num_blocks]
+        self.prefix_limit = prefix_limit
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache (whole blocks)
         self.prefix_hit_tokens = 0  # of them, found cached in every group
 
@@ -135,7 +138,17 @@ class GroupedBlocks:
         return budget if group.window else None
 
     def _common_cached(self, tokens: list[int], use_cache: bool = True) -> int:
-        return min(m.cached_blocks(tokens) for m in self.managers) if use_cache else 0
+        if not use_cache:
+            return 0
+        cached = min(m.cached_blocks(tokens) for m in self.managers)
+        if cached and self.prefix_limit is not None:
+            cached = self.prefix_limit(self.managers[0].prefix_hashes(tokens, cached))
+        return cached
+
+    def hashes(self, seq_id: int) -> list[bytes]:
+        """The sequence's committed (and cached-prefix) blocks' hashes, the same in every group: the first
+        group's list, which grows as blocks commit."""
+        return self.managers[0].seqs[seq_id].hashes
 
     def can_allocate(self, tokens: list[int], keep_free: int = 0, max_new: int | None = None,
                      use_cache: bool = True) -> bool:

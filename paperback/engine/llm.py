@@ -50,8 +50,8 @@ class LLMEngine:
     or a KVPolicy. The block size grows to a multiple of every format's token group (KIVI: 32).
     Quantized formats also reserve exact 16-bit staging for each running sequence's recent window; the
     sequences that run at once are capped so that staging fits the budget (`paperback.engine.pool_layout`,
-    which sizes everything here). Where a quantized layer keeps an exact recent window or exact sinks,
-    blocks serve no prefix-cache hits (`PagedKVPool.shares_prefixes`).
+    which sizes everything here). Prefix-cache hits serve every format: a quantized layer's exact recent window
+    and sinks come from kept exact copies (`PagedKVPool.usable_prefix`).
 
     Layers that free blocks alike form a cache group with its own pool and block tables
     (`paperback.engine.cache_groups`): sliding-window layers and layers whose format evicts hold only
@@ -82,14 +82,13 @@ class LLMEngine:
         scheduler = replace(scheduler, max_num_seqs=self.layout.max_num_seqs)
         block_size = self.layout.block_size
         self.pool = PagedKVPool(config, policy, self.layout, self.model.dtype, self.model.device, kv_amax)
-        self.prefix_caching = prefix_caching and self.pool.shares_prefixes
+        self.prefix_caching = prefix_caching
         salt = json.dumps(policy.to_dict(config.num_layers), sort_keys=True).encode()
         self.blocks = GroupedBlocks(list(self.layout.groups), list(self.layout.num_blocks), block_size,
-                                    self.prefix_caching, salt, scheduler.max_step_tokens)
+                                    self.prefix_caching, salt, scheduler.max_step_tokens, self.pool.usable_prefix)
         self.swap = HostSwap(self.blocks, self.pool, scheduler.preemption, swap_space)
-        self.scheduler = Scheduler(self.blocks, scheduler,
-                                   on_admit=lambda seq, cached: self.pool.start(seq.seq_id, cached // block_size),
-                                   on_free=lambda seq: self.pool.release(seq.seq_id), swap=self.swap)
+        self.scheduler = Scheduler(self.blocks, scheduler, on_admit=self._admit, on_free=self._release,
+                                   swap=self.swap)
         self.requests: dict[str, RequestState] = {}
         self.positions_computed = 0  # token positions run through the model, recomputed ones included
         self.prompt_tokens = 0  # prompt tokens of requests that reached their first token (each counted once)
@@ -203,8 +202,7 @@ class LLMEngine:
                 self._score_prompt(seq, hidden[offset:offset + n])
             offset += n
             seq.num_computed += n
-            final = self.pool.final_blocks(seq.seq_id, seq.num_computed)
-            self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed], final)
+            self._commit(seq, self.pool.final_blocks(seq.seq_id, seq.num_computed))
             self.blocks.evict(seq.seq_id, seq.num_computed)
             if seq.num_computed == seq.num_tokens:  # this step reached its last token: sample the next
                 ends.append(offset - 1)
@@ -225,6 +223,24 @@ class LLMEngine:
                 except Exception as exc:  # bad state of this request alone (a grammar dead end, a sampler error)
                     self._fail(request, exc)
         return self._outputs(touched)
+
+    def _admit(self, seq: Sequence, cached_tokens: int) -> None:
+        names = self.blocks.hashes(seq.seq_id) if self.prefix_caching else None
+        self.pool.start(seq.seq_id, cached_tokens // self.layout.block_size, names)
+
+    def _commit(self, seq: Sequence, final_blocks: int) -> None:
+        """Register the sequence's final blocks in the prefix cache; the pool learns their names."""
+        if self.prefix_caching:
+            self.blocks.commit(seq.seq_id, seq.tokens[:seq.num_computed], final_blocks)
+            self.pool.name(seq.seq_id, self.blocks.hashes(seq.seq_id))
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence leaves the pool (finished, aborted, or preempted to be recomputed): with prefix caching,
+        its recent window is encoded first so that the cache keeps all of its full blocks."""
+        if self.prefix_caching and self.pool.quantized and seq.finish_reason != "error" \
+                and seq.seq_id in self.pool.seqs:
+            self._commit(seq, self.pool.finalize(seq.seq_id, self.blocks.tables(seq.seq_id), seq.num_computed))
+        self.pool.release(seq.seq_id)
 
     def _outputs(self, touched: set[str]) -> list[RequestOutput]:
         outputs = []

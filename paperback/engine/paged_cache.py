@@ -21,7 +21,19 @@ blocks' window read the copies (`ExactSplit`), so a prompt prefilled in one
 step, in chunks, or again after a preemption gives the same tokens.
 
 Retention: a quantized layer's sink blocks (`sink=`) stay in staging, exact,
-for the sequence's life. Layers are stored by cache group
+for the sequence's life.
+
+Prefix-cache hits, in every format: a block is committed to the prefix
+cache once its bytes are final in every layer (encoded, where a quantized
+layer encodes it); a sequence that goes (finished, or preempted to be
+recomputed) first encodes the full blocks of its recent window so that
+they become final too (`finalize`). A quantized format's hit also needs
+what a computed prefix leaves in staging: the sinks and the blocks the
+next query still reads exact. Those come from staging slots that kept a
+cached block's exact copy when their sequence let go of them
+(`paperback.engine.staging`), or from a running sequence's staging; the
+hit stops before the first block whose exact copy is nowhere
+(`usable_prefix`), so a hit reads what computing the prefix would have. Layers are stored by cache group
 (`paperback.engine.cache_groups`): layers that free blocks alike (every
 token kept, a sliding window, sinks plus a window) share block ids and a
 block table, and each group's storage holds its own pool's blocks. After
@@ -49,6 +61,7 @@ import torch
 from paperback.engine.block_manager import EVICTED, NoFreeBlocks
 from paperback.engine.paged_attention import ExactSplit, paged_attention
 from paperback.engine.pool_layout import PoolLayout
+from paperback.engine.staging import StagingSlots
 from paperback.errors import PaperbackError
 from paperback.kernels.attention import (ExactStaging, decode_kernel_available, native_source,
                                          paged_decode_attention)
@@ -132,6 +145,8 @@ class SwappedKV:
 class _SeqState:
     stage: dict[int, int] = field(default_factory=dict)  # block index -> staging slot
     flushed: dict[int, int] = field(default_factory=dict)  # quantized layer -> leading blocks encoded
+    shared: int = 0  # leading blocks that came from the prefix cache, final already: never encoded again
+    names: list[bytes] = field(default_factory=list)  # its blocks' prefix-cache hashes (the block manager's list)
 
     @property
     def all_flushed(self) -> int:
@@ -167,13 +182,11 @@ class PagedKVPool:
         quantized = [layer.scheme for layer in self.layers if not layer.native]
         self.quantized_layers = [i for i, layer in enumerate(self.layers) if not layer.native]
         self.quantized = bool(quantized)
-        # A query reads the last r tokens before it exact; a prefix-cache hit holds them only encoded.
-        self.exact_recent = any(s.residual for s in quantized)
         for s in quantized:
             if block_size % s.flush_group:
                 raise ValueError(f"block size {block_size} is not a multiple of {s.label}'s group of "
                                  f"{s.flush_group} tokens")
-        self.stage_free = list(range(layout.stage_blocks)) if self.quantized else []
+        self.staging = StagingSlots(layout.stage_blocks if self.quantized else 0)
         self.seqs: dict[int, _SeqState] = {}
 
     @property
@@ -184,22 +197,110 @@ class PagedKVPool:
         return sum(t.numel() * t.element_size() for t in blocks + staging)
 
     # --- sequences ----------------------------------------------------------------------------------------
-    def start(self, seq_id: int, cached_blocks: int) -> None:
-        """A sequence admitted with `cached_blocks` leading blocks already final (prefix-cache hits)."""
-        self.seqs[seq_id] = _SeqState(flushed={i: cached_blocks for i in self.quantized_layers})
+    def _ready(self, layer: _Layer, tokens: int) -> int:
+        """Leading blocks a sequence of `tokens` tokens has encoded in a quantized layer: those wholly older
+        than its exact recent window."""
+        return max(0, tokens - layer.scheme.residual) // self.block_size
+
+    def start(self, seq_id: int, cached_blocks: int = 0, names: list[bytes] | None = None) -> None:
+        """A sequence admitted with `cached_blocks` leading blocks already final (prefix-cache hits, named by
+        `names`, the block manager's hashes of its blocks): its staging gets the exact copies a computed prefix
+        would have left there (`usable_prefix` said they exist)."""
+        flushed = {i: self._ready(self.layers[i], cached_blocks * self.block_size) for i in self.quantized_layers}
+        state = _SeqState(flushed=flushed, shared=cached_blocks, names=names if names is not None else [])
+        if cached_blocks and self.quantized:
+            self._copy_exact(state, self._exact_needed(cached_blocks))
+        self.seqs[seq_id] = state
+
+    def name(self, seq_id: int, names: list[bytes]) -> None:
+        """The block manager's hashes of the sequence's blocks (its list, which grows as blocks commit)."""
+        self.seqs[seq_id].names = names
 
     def release(self, seq_id: int) -> None:
         state = self.seqs.pop(seq_id, None)
         if state:
-            self.stage_free += state.stage.values()
+            for b in list(state.stage):
+                self._give_back(state, b)
+
+    def _give_back(self, state: _SeqState, b: int) -> None:
+        # A committed block's slot keeps its exact copy, named, for a later prefix hit.
+        self.staging.give_back(state.stage.pop(b), state.names[b] if b < len(state.names) else None)
+
+    def _exact_needed(self, cached_blocks: int) -> list[int]:
+        """Blocks a sequence holding `cached_blocks` computed blocks has in staging: its sinks and those its
+        next query reads exact in some quantized layer."""
+        tokens = cached_blocks * self.block_size
+        first = min(self._ready(self.layers[i], tokens) for i in self.quantized_layers)
+        return sorted(set(range(min(cached_blocks, self.stage_sink_blocks))) | set(range(first, cached_blocks)))
+
+    def _live_copies(self) -> dict[bytes, int]:
+        """Committed blocks that running sequences hold in staging (their sinks, mostly): name -> slot."""
+        return {state.names[b]: slot for state in self.seqs.values() for b, slot in state.stage.items()
+                if b < len(state.names)}
+
+    def usable_prefix(self, names: list[bytes]) -> int:
+        """Of a cached prefix of len(names) blocks (their hashes), how many leading blocks a new sequence can
+        take: the most whose exact copies (`_exact_needed`) are kept, with staging slots free to copy them to.
+        Every block where no layer stages exact tokens."""
+        if not self.quantized or not names:
+            return len(names)
+        live = self._live_copies()
+        for cached in range(len(names), 0, -1):
+            need = [names[b] for b in self._exact_needed(cached)]
+            pinned = {n for n in need if n in self.staging.named}
+            if all(n in pinned or n in live for n in need) and self.staging.available - len(pinned) >= len(need):
+                return cached
+        return 0
+
+    def _copy_exact(self, state: _SeqState, blocks: list[int]) -> None:
+        """Copy the kept exact copies of `blocks` (named in state.names) into fresh staging slots of the state."""
+        live = self._live_copies()
+        names = [state.names[b] for b in blocks]
+        sources = []
+        for n in names:
+            slot = self.staging.copy_of(n)
+            sources.append(live[n] if slot is None else slot)
+        targets = [self.staging.take(keep=frozenset(names)) for _ in blocks]
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(targets, dtype=torch.long, device=self.device)
+        for i in self.quantized_layers:
+            layer = self.layers[i]
+            for t in (layer.stage_keys, layer.stage_values):
+                t.index_copy_(0, dst, t.index_select(0, src))
+        state.stage.update(zip(blocks, targets))
+
+    def finalize(self, seq_id: int, tables: list[list[int]], computed: int) -> int:
+        """Before a sequence goes: encode the full blocks it holds only exact (its recent window), so that their
+        bytes are final and the prefix cache can keep them. Returns its leading final blocks."""
+        state = self.seqs[seq_id]
+        full = computed // self.block_size
+        for i in self.quantized_layers:
+            layer = self.layers[i]
+            table = tables[layer.group]
+            blocks = [b for b in range(max(state.flushed[i], layer.sink_blocks, state.shared), full)
+                      if table[b] != EVICTED]
+            self._encode(layer, [state.stage[b] for b in blocks], [table[b] for b in blocks])
+            state.flushed[i] = max(state.flushed[i], full)
+        return self.final_blocks(seq_id, computed)
+
+    def _encode(self, layer: _Layer, slots: list[int], block_ids: list[int]) -> None:
+        """Encode staged blocks (their slots) into the layer's blocks `block_ids`, all at once."""
+        if not slots:
+            return
+        src = torch.tensor(slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for codec, stage, fields in ((layer.key_codec, layer.stage_keys, layer.key_fields),
+                                     (layer.value_codec, layer.stage_values, layer.value_fields)):
+            for name, t in codec.encode(stage.index_select(0, src).to(self.dtype)).items():
+                _copy_rows(fields[name], dst, t)
 
     def fork(self, parent: int, child: int) -> None:
         """The child gets its own copies of the parent's staged (unencoded) blocks."""
         src = self.seqs[parent]
         self._free_encoded(src)  # between steps: what the last step encoded is read exact no more
-        dst = self.seqs[child] = _SeqState(flushed=dict(src.flushed))
+        dst = self.seqs[child] = _SeqState(flushed=dict(src.flushed), shared=src.shared)
         for b, slot in src.stage.items():
-            dst.stage[b] = new = self._take_stage()
+            dst.stage[b] = new = self.staging.take()
             for layer in self.layers:
                 if not layer.native:
                     layer.stage_keys[new] = layer.stage_keys[slot]
@@ -230,7 +331,7 @@ class PagedKVPool:
                 for table in tables]
 
     def can_swap_in(self, swapped: SwappedKV) -> bool:
-        return len(self.stage_free) >= len(swapped.stage_blocks)
+        return self.staging.available >= len(swapped.stage_blocks)
 
     def swap_in(self, seq_id: int, swapped: SwappedKV, tables: list[list[int]]) -> None:
         """A swapped-out sequence's blocks copied into its new blocks (`tables`, from the block managers), and
@@ -239,7 +340,7 @@ class PagedKVPool:
             raise NoFreeBlocks("no free staging blocks to swap a sequence back in")
         state = self.seqs[seq_id] = _SeqState(flushed=dict(swapped.flushed))
         for b in swapped.stage_blocks:
-            state.stage[b] = self._take_stage()
+            state.stage[b] = self.staging.take()
         slots = torch.tensor([state.stage[b] for b in swapped.stage_blocks], dtype=torch.long, device=self.device)
         held = self._held_ids(tables)
         for layer, saved in zip(self.layers, swapped.layers):
@@ -250,11 +351,6 @@ class PagedKVPool:
                 _copy_rows(layer.stage_keys, slots, saved[len(stored)])
                 _copy_rows(layer.stage_values, slots, saved[len(stored) + 1])
 
-    def _take_stage(self) -> int:
-        if not self.stage_free:
-            raise NoFreeBlocks("no free staging blocks for the exact recent window")
-        return self.stage_free.pop()
-
     def prepare(self, seq_id: int, first_pos: int, seq_len: int) -> None:
         """Staging slots for the blocks that positions [first_pos, seq_len) will be written to (and back, for
         blocks the last step encoded)."""
@@ -264,14 +360,14 @@ class PagedKVPool:
         self._free_encoded(state)
         for b in range(first_pos // self.block_size, -(-seq_len // self.block_size)):
             if b >= state.all_flushed and b not in state.stage:
-                state.stage[b] = self._take_stage()
+                state.stage[b] = self.staging.take()
 
     def _free_encoded(self, state: _SeqState) -> None:
         """Staging slots of the blocks every quantized layer has encoded: the last step's early queries read
         them exact, if at all; no later query does, so the slots go back."""
         done = state.all_flushed
         for b in [b for b in state.stage if self.stage_sink_blocks <= b < done]:
-            self.stage_free.append(state.stage.pop(b))
+            self._give_back(state, b)
 
     def copy_block(self, group: int, src: int, dst: int) -> None:
         """Copy-on-write of a main block in every layer of a cache group (staged blocks are per sequence
@@ -355,27 +451,14 @@ class PagedKVPool:
         state = self.seqs[seq_id]
         ready = max(0, seq_len - layer.scheme.residual) // self.block_size
         lo = max(state.flushed[layer_idx], layer.sink_blocks)
-        for b in range(lo, ready):
-            slot = state.stage[b]
-            for codec, stage, fields in ((layer.key_codec, layer.stage_keys, layer.key_fields),
-                                         (layer.value_codec, layer.stage_values, layer.value_fields)):
-                for name, t in codec.encode(stage[slot:slot + 1].to(self.dtype)).items():
-                    fields[name][table[b]] = t[0]
+        blocks = range(max(lo, state.shared), ready)  # a cached prefix's blocks are encoded already
+        if blocks:
+            self._encode(layer, [state.stage[b] for b in blocks], table[blocks.start:blocks.stop].tolist())
         state.flushed[layer_idx] = max(state.flushed[layer_idx], ready)
         return lo, max(lo, ready)
 
-    @property
-    def shares_prefixes(self) -> bool:
-        """Whether a block can serve a prefix-cache hit. Not where a quantized layer keeps exact sinks (they live
-        in each sequence's staging) or an exact recent window: the first query after a cached prefix reads
-        the prefix's last r tokens exact, and the shared blocks hold them only encoded."""
-        return not (self.stage_sink_blocks or self.exact_recent)
-
     def final_blocks(self, seq_id: int, computed: int) -> int:
-        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share); none
-        where blocks cannot serve a hit (`shares_prefixes`)."""
-        if not self.shares_prefixes:
-            return 0
+        """Leading blocks of the sequence whose bytes are final (the ones the prefix cache may share)."""
         full = computed // self.block_size
         return min(full, self.seqs[seq_id].all_flushed) if self.quantized else full
 

@@ -87,7 +87,8 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases.
+    """on_admit(seq, cached_tokens) and on_free(seq) let the engine's pool follow admissions and releases
+    (on_free comes before the sequence's blocks are freed).
 
     A cache group whose layers evict (sinks and a window, or a sliding window) holds a bounded number of
     blocks per sequence; its blocks for a prompt come a chunk at a time, step by step, while a group that
@@ -131,8 +132,8 @@ class Scheduler:
         seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
         if seq in self.running:
             self.running.remove(seq)
+            self.on_free(seq)  # while its blocks are still its own (the pool may finalize them)
             self.blocks.free(seq.seq_id)
-            self.on_free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.swapped:
@@ -147,8 +148,8 @@ class Scheduler:
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
             return
-        self.blocks.free(seq.seq_id)
         self.on_free(seq)
+        self.blocks.free(seq.seq_id)
         seq.status, seq.num_computed = Status.WAITING, 0
         self.waiting.appendleft(seq)
 

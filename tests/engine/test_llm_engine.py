@@ -180,7 +180,7 @@ def test_every_format_serves_batches_with_preemption_and_prefix_sharing(tiny32, 
     assert set(outs) == set(ids) and all(len(o.outputs[0].token_ids) == 30 for o in outs.values())
     engine.blocks.check()
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.pool.seqs
-    assert len(engine.pool.stage_free) == len(set(engine.pool.stage_free))  # no staging slot freed twice
+    engine.pool.staging.check([])  # every staging slot back, none freed twice
     if spec in ("int8", "fp16"):  # near-lossless formats keep the greedy answers of the fp32 model
         same = sum(outs[i].outputs[0].token_ids == reference(tiny32.model, p, 30) for i, p in zip(ids, ps))
         assert same >= 10
@@ -214,7 +214,8 @@ def test_n_counts_against_the_running_cap(tiny32):
         engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=0))
     outs = engine.run()
     assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
-    assert engine.pool.stage_free and not engine.pool.seqs
+    assert not engine.pool.seqs
+    engine.pool.staging.check([])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
