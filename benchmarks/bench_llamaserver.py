@@ -1,7 +1,8 @@
 """`paperback serve` beside llama.cpp's `llama-server` on the same CPU, W4 bytes and KV bytes, over HTTP.
 
     .venv/bin/python benchmarks/bench_llamaserver.py [--model smollm2|llama-3.2-1b] [--clients 1 4 16 64]
-        [--requests-per-client 2] [--min-requests 16] [--threads 2] [--tag NAME]
+        [--requests-per-client 2] [--min-requests 16] [--threads 2] [--kv-cache-dtype fp16 ...]
+        [--prefix-caching on|off|both] [--tag NAME]
 
 A fixed, seeded request set: chat requests that share one system prompt (the opening of a WikiText-2 article),
 each with a WikiText-2 paragraph as the user turn and as many output tokens as the paragraph after it has
@@ -13,7 +14,10 @@ caching on, at most C sequences); both read the same W4 bytes (llama.cpp Q4_0 ag
 with a W4a-g32 head, as bench_llamacpp.py pairs them; SmolLM2: its bundled Q4_1 file against W4a-g32 with a
 W8 head). Reported per level and server: output tokens/s and requests/s over the level's wall time, time to
 first token p50/p99, inter-token latency p99 (gaps between streamed tokens, as vLLM's benchmark counts them),
-failed requests, the server's peak RSS, and paperback's prefix-cache hit rate (from its /metrics). Writes
+failed requests, the server's peak RSS, and paperback's prefix-cache hit rate (from its /metrics).
+`--kv-cache-dtype` runs paperback once per KV format in the same KV bytes (a quantized format holds more tokens
+there; its running sequences may be capped so that their exact staging fits), and `--prefix-caching both`
+runs each with and without the prefix cache, which shows what a hit on the shared system prompt saves. Writes
 benchmarks/results/llamaserver_<model>[_<tag>].json.
 """
 
@@ -212,6 +216,10 @@ def main() -> int:
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--slot-tokens", type=int, default=512, help="KV token states per client slot")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["fp16"],
+                        help="paperback's KV formats, each run in the same KV bytes")
+    parser.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                        help="paperback's prefix cache")
     add_tag_arg(parser)
     args = parser.parse_args()
     warn_if_busy()
@@ -228,7 +236,9 @@ def main() -> int:
         requests = request_set(tokenizer, count, args.seed, args.system_tokens, args.max_prompt, args.max_output)
         context = clients * args.slot_tokens
         kv_bytes = context * kv_per_token
-        for engine in ("llama-server", "paperback"):
+        caching = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
+        runs = [("llama-server", None, None)] + [("paperback", kv, c) for kv in args.kv_cache_dtype for c in caching]
+        for engine, kv, prefix_caching in runs:
             port = free_port()
             if engine == "llama-server":
                 argv = [str(llamacpp_tools.tool("llama-server")), "-m", str(ggufs[gguf_name]), "--port", str(port),
@@ -236,16 +246,20 @@ def main() -> int:
                         "--kv-unified", "--no-webui", "--alias", "model"]
             else:
                 argv = [sys.executable, "-m", "paperback", "serve", str(checkpoint), "--port", str(port),
-                        "--kv-cache-dtype", "fp16", "--kv-memory", str(kv_bytes), "--max-num-seqs", str(clients),
+                        "--kv-cache-dtype", kv, "--kv-memory", str(kv_bytes), "--max-num-seqs", str(clients),
                         "--decode-activations", "int8", "--served-model-name", "model"]
-            print(f"{clients} clients, {count} requests: {engine}", flush=True)
+                argv += [] if prefix_caching else ["--no-prefix-caching"]
+            label = engine if kv is None else f"{engine} {kv}" + ("" if prefix_caching else ", no prefix cache")
+            print(f"{clients} clients, {count} requests: {label}", flush=True)
             threads = {"OMP_NUM_THREADS": str(args.threads)}  # paperback's torch threads; llama-server takes -t
-            with Server(argv, port, logs / f"{engine}-{clients}.log", threads) as server:
+            log = logs / f"{label.replace(' ', '-').replace(',', '')}-{clients}.log"
+            with Server(argv, port, log, threads) as server:
                 asyncio.run(run_level(port, "model", requests[:1], 1))  # warm-up: first-call allocations
                 records, wall = asyncio.run(run_level(port, "model", requests, clients))
-                hits = prefix_hit_rate(port) if engine == "paperback" else None
-            row = {"clients": clients, "engine": engine, **summarize(records, wall), "kv_bytes": kv_bytes,
-                   "peak_rss_bytes": server.peak_rss_bytes, "prefix_hit_rate": hits}
+                hits = prefix_hit_rate(port) if engine == "paperback" and prefix_caching else None
+            row = {"clients": clients, "engine": engine, "kv_cache_dtype": kv or "f16", "prefix_caching": prefix_caching,
+                   **summarize(records, wall), "kv_bytes": kv_bytes, "peak_rss_bytes": server.peak_rss_bytes,
+                   "prefix_hit_rate": hits}
             levels.append(row)
             print(json.dumps(row), flush=True)
     warn_if_busy(args.threads)
@@ -256,13 +270,15 @@ def main() -> int:
         def seconds(value, scale=1.0, digits=2):
             return "-" if value is None else f"{scale * value:.{digits}f}"
 
-        table.append([str(row["clients"]), row["engine"], f"{row['output_tokens_per_s']:.1f}",
+        table.append([str(row["clients"]), row["engine"], row["kv_cache_dtype"],
+                      {True: "on", False: "off", None: "-"}[row["prefix_caching"]], f"{row['output_tokens_per_s']:.1f}",
                       f"{row['throughput_vs_llamaserver']:.2f}x", f"{row['requests_per_s']:.2f}",
                       seconds(row["ttft_p50_s"]), seconds(row["ttft_p99_s"]), seconds(row["itl_p99_s"], 1e3, 0),
                       str(row["failed"]), f"{row['peak_rss_bytes'] / 2 ** 20:.0f}",
                       f"{row['prefix_hit_rate']:.0%}" if row["prefix_hit_rate"] is not None else "-"])
-    print_table(f"{args.model}: paperback serve beside llama-server, {args.threads} threads, the same W4 and KV bytes",
-                ["clients", "server", "output tok/s", "x", "req/s", "TTFT p50 s", "TTFT p99 s", "ITL p99 ms",
+    print_table(f"{args.model}: paperback serve beside llama-server, {args.threads} threads, the same W4 and KV "
+                "bytes",
+                ["clients", "server", "KV", "prefix cache", "output tok/s", "x", "req/s", "TTFT p50 s", "TTFT p99 s", "ITL p99 ms",
                  "failed", "peak RSS MiB", "prefix hits"], table)
     write_results(results_name(f"llamaserver_{args.model}", args.tag), {
         "model": args.model, "threads": args.threads, "llamacpp_built_for": llamacpp_tools.built_for(),
