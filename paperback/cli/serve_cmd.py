@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 
 from paperback.cli.common import add_dtype_arg, add_kernel_args, add_model_arg, kv_cache_dtype_name
 from paperback.cli.output import note
@@ -229,9 +231,22 @@ def run(args: argparse.Namespace) -> int:
              "scored in fp32")
     app = create_app(runner, name, api_key=api_key, max_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again under the handler it found:
+    # a quiet one, so that the engine stops and reports what it let go before the process exits.
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
-        runner.shutdown()
+        note(shutdown_line(runner.shutdown()))
         sock.close()
     return 0
+
+
+def shutdown_line(left: dict) -> str:
+    """What the server let go at exit: open requests failed, and whether every KV block went back."""
+    if left["blocks_held"] is None:
+        return "shut down: the engine was still inside a step after 30 s; nothing more was checked"
+    freed = ("every KV block free, every staging slot free" if not left["blocks_held"] and not left["staging_held"]
+             else f"{left['blocks_held']} KV blocks and {left['staging_held']} staging slots still held")
+    return f"shut down: {left['failed']} open requests failed; {freed}"

@@ -29,6 +29,10 @@ class Overloaded(Exception):
     """Too many requests are waiting; the client should retry later (HTTP 429)."""
 
 
+class ShuttingDown(Exception):
+    """The server stopped before the request finished (HTTP 503)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -84,10 +88,23 @@ class AsyncEngine:
     def stats(self) -> dict:
         return {**self.engine.stats(), "finished": self.finished}
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> dict:
+        """Stop the engine thread; a request still open fails cleanly (its route gets an error) and its blocks go
+        back. Returns what was left: requests failed, and KV blocks and staging slots still held after that."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self._thread.is_alive():  # a step still running: touching the engine now would race it
+            return {"failed": None, "blocks_held": None, "staging_held": None}
+        # Open streams include requests still in the inbox; the engine may hold requests whose abort is.
+        open_requests = set(self._streams) | set(self.engine.requests)
+        for request_id in open_requests:
+            self._emit(request_id, ShuttingDown("the server is shutting down"))
+            self.engine.abort(request_id)
+        self._streams.clear()
+        staging = self.engine.pool.staging
+        return {"failed": len(open_requests), "blocks_held": self.engine.blocks.num_used,
+                "staging_held": staging.num_slots - staging.available}
 
     # --- the engine thread ---------------------------------------------------------------------------------------
     def _emit(self, request_id: str, item) -> None:

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from paperback.errors import PaperbackError
 from paperback.generation.sampling import SamplingParams
-from paperback.server.async_engine import AsyncEngine, Overloaded
+from paperback.server.async_engine import AsyncEngine, Overloaded, ShuttingDown
 from paperback.server.guard import until_disconnected
 from paperback.server.responses import LogprobFormatter, error
 
@@ -88,6 +88,8 @@ class Serving:
         for item in items:
             if isinstance(item, PaperbackError):
                 return error(400, str(item))
+            if isinstance(item, ShuttingDown):
+                return error(503, str(item), "server_error")
             if isinstance(item, Exception):
                 return error(500, f"the request failed: {item}", "server_error")
             if item.error is not None:
@@ -128,7 +130,8 @@ class Serving:
             async for i, item in self.merged(queues):
                 if isinstance(item, Exception) or item.error is not None:
                     message = str(item) if isinstance(item, Exception) else item.error
-                    yield self.sse({"error": {"message": message, "type": "server_error", "code": 500}})
+                    code = 503 if isinstance(item, ShuttingDown) else 500
+                    yield self.sse({"error": {"message": message, "type": "server_error", "code": code}})
                     open_ids.discard(ids[i])
                     continue
                 completion_tokens += sum(len(c.token_ids) for c in item.outputs)

@@ -284,3 +284,40 @@ def test_a_non_streaming_client_that_leaves_is_aborted(live, caplog):
         gc.collect()  # a future dropped with its exception unread logs it when collected
     assert stats["running"] == 0 and stats["blocks_used"] == 0
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]  # no CancelledError traceback
+
+
+@pytest.fixture
+def tiny_engine_for_shutdown(tmp_path):
+    from helpers import tiny_llama_hf
+    from paperback.engine.llm import LLMEngine
+    from paperback.loading import load_model
+
+    tiny_llama_hf(max_position_embeddings=512, hidden_size=128, num_hidden_layers=2).save_pretrained(tmp_path)
+    return LLMEngine(load_model(str(tmp_path), with_tokenizer=False), kv="int8", num_blocks=64)
+
+
+def test_shutdown_fails_open_requests_cleanly_and_frees_every_block(tiny_engine_for_shutdown):
+    import asyncio
+
+    from paperback.cli.serve_cmd import shutdown_line
+    from paperback.generation.sampling import SamplingParams
+    from paperback.server.async_engine import AsyncEngine, ShuttingDown
+
+    runner = AsyncEngine(tiny_engine_for_shutdown)
+
+    async def submit_then_stop():
+        queues = [runner.submit(list(range(1, 40)), SamplingParams(max_tokens=400, ignore_eos=True), f"r{i}")
+                  for i in range(3)]
+        await asyncio.sleep(0.05)
+        left = runner.shutdown()
+        await asyncio.sleep(0)  # let the thread-safe callbacks land
+        items = []
+        for q in queues:
+            while not q.empty():
+                items.append(q.get_nowait())
+        return left, items
+
+    left, items = asyncio.run(submit_then_stop())
+    assert left["failed"] == 3 and left["blocks_held"] == 0 and left["staging_held"] == 0
+    assert sum(isinstance(i, ShuttingDown) for i in items) == 3
+    assert "every KV block free, every staging slot free" in shutdown_line(left)
