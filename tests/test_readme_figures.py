@@ -133,3 +133,19 @@ def test_the_llamaserver_line_matches_its_json():
     assert (f"({paperback[16]['ttft_p99_s']:.1f} s against {level[16, 'llama-server']['ttft_p99_s']:.1f} s), "
             f"{paperback[64]['throughput_vs_llamaserver']:.2f}x at 64, but "
             f"{paperback[1]['throughput_vs_llamaserver']:.2f}x at one client") in readme
+
+
+def test_the_prefix_hit_figures_match_their_json():
+    result = json.loads((RESULTS / "llamaserver_smollm2_prefix.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    hits = [r["prefix_hit_rate"] for r in result["levels"] if r["engine"] == "paperback" and r["prefix_caching"]]
+    assert {r["kv_cache_dtype"] for r in result["levels"] if r["prefix_caching"]} == {"fp16", "int8", "kivi4"}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"({min(hits):.0%}-{max(hits):.0%} of prompt tokens in fp16, int8 and KIVI-4".replace("%-", "-") in readme
+    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    for r in result["levels"]:
+        if r["engine"] == "paperback":
+            cache = "on" if r["prefix_caching"] else "off"
+            row = (f"| paperback | {r['kv_cache_dtype']} | {cache} | {r['output_tokens_per_s']:.1f} "
+                   f"({r['throughput_vs_llamaserver']:.2f}x) | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} |")
+            assert row in serving, row
