@@ -149,3 +149,16 @@ def test_the_prefix_hit_figures_match_their_json():
             row = (f"| paperback | {r['kv_cache_dtype']} | {cache} | {r['output_tokens_per_s']:.1f} "
                    f"({r['throughput_vs_llamaserver']:.2f}x) | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} |")
             assert row in serving, row
+
+
+def test_the_soak_table_matches_its_json():
+    result = json.loads((RESULTS / "soak_int8.json").read_text())
+    assert result["provenance"]["commit"] and result["minutes"] == 30 and result["clients"] == 64
+    assert all(c["passed"] for c in result["checks"])
+    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    rss = next(c for c in result["checks"] if c["check"].startswith("peak RSS"))
+    assert f"| {rss['measured']} | yes |" in serving
+    assert f"| 0 of {result['requests']:,} requests | yes |" in serving
+    first, last = result["latency_p99_s"]["first"], result["latency_p99_s"]["last"]
+    assert f"{first['latency_s']:.1f} -> {last['latency_s']:.1f} s" in serving
+    assert f"{result['shutdown']['exited_s']:.0f} s (it finishes" in serving
