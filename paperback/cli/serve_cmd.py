@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         raise
     name = args.served_name or lm.source.label
-    runner = AsyncEngine(engine, max_waiting=args.max_waiting, model_name=name)
+    runner = AsyncEngine(engine, max_waiting=args.max_waiting, model_name=name, own_thread=False)
     note(f"serving {name} on http://{args.host}:{args.port}/v1 (up to {engine.max_model_len} tokens a request"
          f"{'; API key required' if api_key else ''})")
     for line in capacity_lines(engine, kv_memory):
@@ -231,13 +231,21 @@ def run(args: argparse.Namespace) -> int:
              "scored in fp32")
     app = create_app(runner, name, api_key=api_key, max_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    # uvicorn finishes the requests in flight on SIGTERM, then raises the signal again under the handler it found:
-    # a quiet one, so that the engine stops and reports what it let go before the process exits.
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="paperback-http")
+
+    def stop(*_):  # the first signal: finish what is in flight, then exit; a second one: exit now
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
     if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
-        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+    http.start()
     try:
-        server.run(sockets=[sock])
+        runner.run(keep_going=http.is_alive)  # the engine on this thread, the one that loaded the model
     finally:
+        server.should_exit = True
+        http.join()
         note(shutdown_line(runner.shutdown()))
         sock.close()
     return 0

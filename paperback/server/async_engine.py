@@ -1,7 +1,14 @@
 """The engine on its own thread, feeding many concurrent HTTP requests.
 
-The engine loop runs in one background thread (model steps hold the CPU;
-the event loop stays free for I/O). A request is submitted with a callback
+The engine loop runs on one thread and the HTTP event loop on another
+(model steps hold the CPU; the event loop stays free for I/O). `paperback
+serve` runs the engine on the main thread, the one that loaded the model,
+and the HTTP server beside it: once the main thread has run OpenMP parallel
+regions (loading does), libgomp serves a second thread's regions with
+throttled spinning, since more threads than cores then wait on it, and a
+decode step there took twice as long (SmolLM2 W4 at 2 threads: 36 against
+18 ms). Without `run` on the calling thread, the loop gets a thread of its
+own (tests). A request is submitted with a callback
 queue: after every step the thread pushes each of the request's outputs as
 the engine reports them (a streamed request asks for deltas, with stop
 strings already held back; the others for the final output). Admission is
@@ -40,7 +47,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 64, model_name: str = "model"):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 64, model_name: str = "model",
+                 own_thread: bool = True):
+        """own_thread=False: the caller runs the loop itself (`run`)."""
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: queue.Queue = queue.Queue()
@@ -50,8 +59,10 @@ class AsyncEngine:
         self._stop = False
         self.metrics = ServerMetrics(model_name)
         self.finished = 0
-        self._thread = threading.Thread(target=self._loop, name="paperback-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if own_thread:
+            self._thread = threading.Thread(target=self.run, name="paperback-engine", daemon=True)
+            self._thread.start()
 
     # --- called from the event loop ---------------------------------------------------------------------------
     @property
@@ -93,8 +104,9 @@ class AsyncEngine:
         back. Returns what was left: requests failed, and KV blocks and staging slots still held after that."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
-        if self._thread.is_alive():  # a step still running: touching the engine now would race it
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._thread is not None and self._thread.is_alive():  # mid-step: touching the engine now would race it
             return {"failed": None, "blocks_held": None, "staging_held": None}
         # Open streams include requests still in the inbox; the engine may hold requests whose abort is.
         open_requests = set(self._streams) | set(self.engine.requests)
@@ -112,8 +124,9 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
 
-    def _loop(self) -> None:
-        while not self._stop:
+    def run(self, keep_going=lambda: True) -> None:
+        """The engine loop, on the calling thread, until `shutdown` or until keep_going() is false."""
+        while not self._stop and keep_going():
             self._drain_inbox()
             if not self.engine.has_unfinished:
                 self.metrics.update(self.stats())
