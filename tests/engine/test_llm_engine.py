@@ -150,13 +150,6 @@ def dense_greedy(model, spec, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
-@pytest.fixture(scope="module")
-def tiny32(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny32")
-    tiny_llama_hf(max_position_embeddings=512, hidden_size=128, num_hidden_layers=2).save_pretrained(path)
-    return load_model(str(path), with_tokenizer=False)
-
-
 @pytest.mark.parametrize("spec", ["kivi2:r=32", "pnmix:r=32", "kivi4:r=64"])
 def test_quantized_blocks_read_like_the_dense_quantized_cache(tiny32, spec):
     """With blocks as long as the format's token group, the engine encodes exactly what the dense cache does."""

@@ -4,25 +4,17 @@ import random
 
 import pytest
 
-from helpers import tiny_llama_hf
 from paperback.engine.block_manager import NoFreeBlocks
 from paperback.engine.llm import LLMEngine
 from paperback.engine.scheduler import SchedulerConfig
 from paperback.engine.staging import StagingSlots
 from paperback.generation.sampling import SamplingParams
-from paperback.loading import load_model
+from paperback.kv import build_policy
 
 # Default recent windows (128 tokens: longer than the shared prompt), a sink, and a mixed policy.
 SPECS = ["fp8", "int8", "int4:r=48", "kivi2", "pnmix:r=64", "kivi2:r=32,sink=32",
          {"default": "kivi4", "layers": {"0": "int8:r=48"}}]
 SYSTEM = [(5 * i + 3) % 256 for i in range(150)]
-
-
-@pytest.fixture(scope="module")
-def tiny32(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny32")
-    tiny_llama_hf(max_position_embeddings=512, hidden_size=128, num_hidden_layers=2).save_pretrained(path)
-    return load_model(str(path), with_tokenizer=False)
 
 
 def chats(n, seed):
@@ -32,9 +24,7 @@ def chats(n, seed):
 
 def serve(lm, spec, prompts, caching, waves=2, max_tokens=20):
     """The prompts in `waves` groups, each added once the previous one finished (so later waves can hit)."""
-    kv = spec if isinstance(spec, str) else None
-    from paperback.kv import build_policy
-    policy = build_policy(lm.model.config, kv) if kv else build_policy(lm.model.config, spec=spec)
+    policy = build_policy(lm.model.config, spec) if isinstance(spec, str) else build_policy(lm.model.config, spec=spec)
     engine = LLMEngine(lm, kv=policy, num_blocks=96, prefix_caching=caching,
                        scheduler=SchedulerConfig(max_num_seqs=4, max_step_tokens=128))
     tokens = []

@@ -12,26 +12,17 @@ window (`PagedKVPool`, `LayerStore.stored_until`).
 import pytest
 import torch
 
-from helpers import tiny_llama_hf
 from paperback.engine.llm import LLMEngine
 from paperback.engine.scheduler import SchedulerConfig
 from paperback.generation.sampling import SamplingParams
 from paperback.kv import QuantizedKVCache, build_policy
 from paperback.kv.schemes import paged_block_size
-from paperback.loading import load_model
 
 PROMPT = [(7 * i + i * i) % 256 for i in range(230)]
 MAX_TOKENS = 24
 # Every format, a retention and a mixed policy; recent windows shortened so encoding starts inside the prompt.
 SPECS = ["fp16", "bf16", "fp8", "int8:r=48", "int4:r=48", "kivi4:r=64", "kivi2:r=64", "pnmix:r=64",
          "kivi2:r=32,sink=32", {"default": "kivi2:r=64", "layers": {"0": "int8:r=48"}}]
-
-
-@pytest.fixture(scope="module")
-def tiny32(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny32")
-    tiny_llama_hf(max_position_embeddings=512, hidden_size=128, num_hidden_layers=2).save_pretrained(path)
-    return load_model(str(path), with_tokenizer=False)
 
 
 def policy_of(model, spec):

@@ -2,7 +2,6 @@
 
 import pytest
 
-from helpers import tiny_llama_hf
 from paperback.engine.block_manager import EVICTED, BlockManager, SequenceBlocks
 from paperback.engine.llm import LLMEngine
 from paperback.engine.scheduler import SchedulerConfig, Status
@@ -11,20 +10,12 @@ from paperback.errors import PaperbackError
 from paperback.generation.sampling import SamplingParams
 from paperback.kv import build_policy
 from paperback.kv.schemes import paged_block_size
-from paperback.loading import load_model
 
 from test_scheduling_independence import PROMPT, dense_greedy, policy_of
 
 # Native and encoded blocks, FP8 bytes, exact recent windows and sinks in staging, PN-Mix, a mixed policy.
 SPECS = ["fp32", "fp16", "fp8", "int8:r=48", "int4:r=48", "kivi2:r=64", "pnmix:r=64", "kivi2:r=32,sink=32",
          {"default": "kivi2:r=64", "layers": {"0": "int8:r=48"}}]
-
-
-@pytest.fixture(scope="module")
-def tiny32(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny32")
-    tiny_llama_hf(max_position_embeddings=512, hidden_size=128, num_hidden_layers=2).save_pretrained(path)
-    return load_model(str(path), with_tokenizer=False)
 
 
 def crowded(lm, policy, preemption, swap_space=2 ** 30, max_tokens=64):
