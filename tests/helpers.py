@@ -275,6 +275,19 @@ def write_moe_gguf(hf_model, path: Path, drop: tuple[str, ...] = (), metadata: d
     return _finish_gguf(writer, path)
 
 
+class CharTokenizer:
+    """Enough of a tokenizer for profiling a tiny random model: one id per character."""
+
+    bos_token_id = None
+    adds_bos = False
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % self.vocab for c in text]
+
+
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e|: the error relative to the logits' scale."""
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()

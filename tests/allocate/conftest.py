@@ -1,23 +1,10 @@
 import pytest
 import torch
 
-from helpers import tiny_llama_hf, write_llama_gguf
+from helpers import CharTokenizer, tiny_llama_hf, write_llama_gguf
 from paperback.allocate.gguf_fit import GGUFFit, GGUFFitConfig
 from paperback.loading import load_model
 from paperback.loading.sources import bundled_model_path
-
-
-class CharTokenizer:
-    """Enough of a tokenizer for profiling a tiny random model: one id per character."""
-
-    bos_token_id = None
-    adds_bos = False
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % self.vocab for c in text]
 
 
 @pytest.fixture(scope="module")

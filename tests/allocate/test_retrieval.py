@@ -16,7 +16,7 @@ CONFIG = ProfileConfig(method="rtn", weight_schemes=("W8s-ch", "W2a-g64"), kv_fo
 @pytest.fixture(scope="module")
 def measured(tiny_gguf, tmp_path_factory):
     """A tiny model and its profile (retrieval part included), once for the module."""
-    from conftest import CharTokenizer
+    from helpers import CharTokenizer
     from paperback.loading import load_model
 
     lm = load_model(str(tiny_gguf), with_tokenizer=False)
@@ -92,7 +92,7 @@ def test_a_finished_profile_from_before_gains_its_retrieval_part(measured, tmp_p
     """Profiles shipped or cached before retrieval was measured get that part added; the rest is kept."""
     import json
 
-    from conftest import CharTokenizer
+    from helpers import CharTokenizer
 
     tiny_lm, profile = measured
     old = {k: v for k, v in profile.items() if k != "reused_from_cache"}
