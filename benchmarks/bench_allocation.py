@@ -68,7 +68,7 @@ def paperback_policy(allocator: Allocator, budget: int, second: ShippedSecondPas
     def policy_of(candidate) -> dict:
         return {p: allocator.schemes[candidate.chosen[u.name].label] for u in allocator.units for p in u.params}
 
-    best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")),
+    best = second.choose(within_additivity(candidates, allocator.profile.additivity),
                          lambda model, c: quantize(model, policy_of(c)))
     return (policy_of(best.candidate), [{**c.summary(), "chosen": c is best.candidate} for c in candidates], best,
             allocator.units)
@@ -141,7 +141,7 @@ def main() -> None:
     shapes = param_shapes(units)
     candidates = list(allocator.schemes.values())
     second_passes = {name: ShippedSecondPass(full.model, full.tokenizer, load_text(args.text),
-                                             ProfileConfig.from_dict(p["config"]), even_margin=args.even_margin)
+                                             p.config, even_margin=args.even_margin)
                      for name, p in profiles.items()}
     calibration = calibration_batch(full.tokenizer, CalibrationConfig(args.text, args.calib_samples, 512, span=0.5))
     texts = {name: full.tokenizer.encode(load_text(name), add_special_tokens=False) for name in args.data}
@@ -201,7 +201,7 @@ def main() -> None:
                                      "awq": "full" if args.full_awq else "profile (grid 10, 512 search tokens)",
                                      "calibration": args.text, "profiled": args.text,
                                      "held_out": args.text if args.text in texts else None,
-                                     "profiles": {n: p.get("reused_from_cache") for n, p in profiles.items()},
+                                     "profiles": {n: p.reused_from for n, p in profiles.items()},
                                      "head_bands": not args.no_head_bands,
                                      "head_band_min_bits": args.head_band_min_bits,
                                      "cells": list(cells.values())})

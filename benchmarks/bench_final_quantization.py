@@ -97,7 +97,7 @@ def main() -> None:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
         # The allocation as the effective-weights second pass chose it then: the best solves by head scheme.
         candidates = head_candidates(allocator.weight_groups(), budget, HEAD_CANDIDATES)
-        best = second.choose(within_additivity(candidates, allocator.profile.get("additivity")))
+        best = second.choose(within_additivity(candidates, allocator.profile.additivity))
         paperback = {p: allocator.schemes[best.chosen[u.name].label] for u in units for p in u.params}
         chosen = {"predicted_kl": best.predicted, "measured_kl": best.measured}
         for name, policy in (("uniform", uniform_policy(units, allocator.schemes[label])), ("paperback", paperback)):

@@ -119,7 +119,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in cell.items() if k not in ("spec", "needles")}), flush=True)
         write_results(out_name, {"model": args.model, "context": args.context, "windows": args.windows,
                                  "chunk": args.chunk, "needle_context": needle_context,
-                                 "profile_key": profile.get("reused_from_cache"), "cells": list(cells.values())})
+                                 "profile_key": profile.reused_from, "cells": list(cells.values())})
 
     fp16 = cells["fp16"]["perplexity"]
     rows = [[name, f"{c['kv_bytes'] / 2 ** 20:.2f}", f"{c['bits_at_context']:.3f}", f"{c['perplexity']:.3f}",

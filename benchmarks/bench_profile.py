@@ -45,11 +45,12 @@ def main() -> None:
     config = ProfileConfig()
     with tempfile.TemporaryDirectory(prefix="paperback-profile-") as cache:
         start = time.perf_counter()
-        data = Profiler(lm.model, lm.tokenizer, text, args.text, config, Path(cache), progress=True,
+        profile = Profiler(lm.model, lm.tokenizer, text, args.text, config, Path(cache), progress=True,
                         model_label=lm.source.label, reuse_shipped=False).run()
         wall = time.perf_counter() - start
     load_after = warn_if_busy(torch.get_num_threads())
-    seconds = data["seconds"]
+    band_check = profile.weights.head_bands.check if profile.weights.head_bands else None
+    seconds = profile.seconds
     target = TARGET_MINUTES[args.model] * 60
     rows = [[part, f"{s:,.0f}", f"{s / wall:.0%}"] for part, s in sorted(seconds.items(), key=lambda kv: -kv[1])]
     rows.append(["other (loading, summaries)", f"{wall - sum(seconds.values()):,.0f}", ""])
@@ -65,8 +66,8 @@ def main() -> None:
         "model": args.model, "text": args.text, "config": config.to_dict(), "threads": torch.get_num_threads(),
         "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load_before, "load_after": load_after,
         "wall_seconds": wall, "parts": seconds, "target_seconds": target, "met": wall < target,
-        "head_band_check": data["weights"].get("head_bands", {}).get("check", {}).get("spearman"),
-        "additivity_spearman": (data.get("additivity") or {}).get("spearman")})
+        "head_band_check": band_check.overall.spearman if band_check else None,
+        "additivity_spearman": profile.additivity.overall.spearman if profile.additivity else None})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def weights_only_setup(model: str, text_name: str):
     text = load_text(text_name)
     profile = Profiler(full.model, full.tokenizer, text, text_name, ProfileConfig("awq")).run()
     allocator = Allocator(profile, full.model, Workload(10 ** 15, 1, 1), head_bands=False)  # SecondPass: one head unit
-    second = SecondPass(full.model, full.tokenizer, text, ProfileConfig.from_dict(profile["config"]), allocator.units)
+    second = SecondPass(full.model, full.tokenizer, text, profile.config, allocator.units)
     return full, text, profile, allocator, second
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     for label in args.budgets:
         budget = policy_bytes(shapes, uniform_policy(units, allocator.schemes[label]))
         candidates = second_pass_candidates(allocator.weight_groups(), budget, HEAD_CANDIDATES)
-        kept = second.choose(within_additivity(candidates, profile.get("additivity")))
+        kept = second.choose(within_additivity(candidates, profile.additivity))
         rows += [{"budget": label, **c.summary(), "kept": c is kept} for c in candidates]
     write_results(f"second_pass_{args.model}_{args.text}.json", {"model": args.model, "text": args.text, "rows": rows})
     print_table(f"{args.model}: second-pass candidates, KL measured on the profiled part of {args.text}",

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 from paperback.allocate.candidates import Candidate, second_pass_candidates
+from paperback.allocate.profile_data import Profile, RetentionCosts
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, min_bytes, solve
 from paperback.allocate.units import (HEAD_BAND_UNIT, HEAD_UNIT, WeightUnit, fixed_weight_bytes, head_band_units,
                                       kv_layer_bytes, parse_kv_candidates, parse_weight_candidates, pool_block_size,
@@ -92,29 +93,27 @@ class Allocation:
 class Allocator:
     """Options and their bytes for one model and workload, from a profile's measured costs."""
 
-    def __init__(self, profile: dict, model, workload: Workload, head_bands: bool = True,
+    def __init__(self, profile: Profile, model, workload: Workload, head_bands: bool = True,
                  band_min_bits: int = MIN_BAND_BITS):
         """head_bands: a tied head whose profile measured its bands of vocabulary rows is allocated band by
         band (quantization.head_bands), each band at band_min_bits or more; False keeps it one unit."""
         self.profile, self.workload, self._model = profile, workload, model
         self.band_min_bits = band_min_bits
         self.config: ModelConfig = model.config
-        units = profile["weights"]["units"]
-        self.units = [WeightUnit(u["name"], u["layer"], tuple(u["params"]), tuple(tuple(s) for s in u["shapes"]))
-                      for u in units]
-        self.kl = dict(profile["weights"]["kl"])
+        self.units = list(profile.weights.units)
+        self.kl = dict(profile.weights.kl)
         self.band_of = None  # the head's band layout, when it is allocated in bands
-        bands = profile["weights"].get("head_bands")
+        bands = profile.weights.head_bands
         head = next((u for u in self.units if u.name == HEAD_UNIT), None)
         if head_bands and bands is not None and head is not None and self.config.tie_word_embeddings:
-            self.band_of = decode_band_of(bands["band_of"], self.config.vocab_size)
+            self.band_of = decode_band_of(bands.band_of, self.config.vocab_size)
             band_units = head_band_units(head, [len(r) for r in band_rows(self.band_of)])
             self.units = [u for u in self.units if u is not head] + band_units
-            self.kl.update({u.name: bands["kl"][u.name.removeprefix(HEAD_UNIT + ".")] for u in band_units})
-        self.schemes = {s.label: s for s in parse_weight_candidates(profile["weights"]["schemes"])}
-        specs = profile["kv"]["specs"]
+            self.kl.update({u.name: bands.kl[u.name.removeprefix(HEAD_UNIT + ".")] for u in band_units})
+        self.schemes = {s.label: s for s in parse_weight_candidates(profile.weights.schemes)}
+        specs = profile.kv.specs
         self.formats = dict(zip(specs, parse_kv_candidates(specs, self.config)))
-        self.labels = dict(zip(specs, profile["kv"]["formats"]))
+        self.labels = dict(zip(specs, profile.kv.formats))
         self.block_size = pool_block_size(list(self.formats.values()))
         self.fixed_bytes = fixed_weight_bytes(model, self.units)
         self.runtime = runtime_allowance(shape_from_config(self.config, "", ""), users=workload.users).total
@@ -149,46 +148,43 @@ class Allocator:
     def kv_cost(self, layer: int, spec: str, variant: str | None = None) -> float:
         """A layer's measured KL in a format (with a retention variant's exact tokens), scaled to the
         profile's long window when it has one."""
-        label = self.labels[spec]
-        long = self.profile["kv"].get("long") or {}
-        table = self.profile["retention"][variant] if variant else self.profile["kv"]["kl"]
-        return table[str(layer)][label] * long.get("scale", {}).get(label, 1.0)
+        return self.profile.kv_layer_cost(layer, self.labels[spec], variant)
 
     @property
-    def retention(self) -> dict:
-        """The profile's retention measurements ({} when it has none)."""
-        return self.profile.get("retention") or {}
+    def retention(self) -> RetentionCosts | None:
+        """The profile's retention measurements, when it has them all."""
+        r = self.profile.retention
+        return r if r is not None and r.complete else None
 
     def eviction_windows(self) -> list[tuple[int, int]]:
         """(window at the workload's context, measured window) for each measured eviction window: the same
         fraction of the context as of the long window it was measured on, in whole blocks."""
         r = self.retention
-        if not r.get("windows") or not r.get("complete"):
+        if r is None or not r.windows:
             return []
         residual = max(f.residual for f in self.formats.values())
         out = []
-        for measured in r["windows"]:
-            window = int(measured / r["long_tokens"] * self.workload.context) // self.block_size * self.block_size
+        for measured in r.windows:
+            window = int(measured / r.long_tokens * self.workload.context) // self.block_size * self.block_size
             if residual < window < self.workload.context:
                 out.append((window, measured))
         return out
 
     def exact_variants(self) -> dict[str, tuple[int, int]]:
         """The profile's measured exact-token options: name -> (sinks, recent window or 0 for the format's)."""
-        r = self.retention
-        return {name: tuple(v) for name, v in r.get("variants", {}).items()} if r.get("complete") else {}
+        return dict(self.retention.variants) if self.retention is not None else {}
 
     def retrieval_cost(self, layer: int, spec: str, measured_window: int | None) -> float:
         """The profile's answer KL of a long-range lookup with this layer alone in an option: its format's,
         or when it evicts, that window's (a planted fact far back is then gone whatever the format; exact
         sinks and recent tokens do not reach it)."""
-        r = self.profile.get("retrieval") or {}
-        if not r.get("complete"):
+        r = self.profile.retrieval
+        if r is None or not r.complete:
             raise PaperbackError("this profile has no retrieval measurements; run `paperback profile` again "
                                  "to add them")
         if measured_window:
-            return r["evict"][str(layer)][str(measured_window)]
-        return r["formats"][str(layer)][self.labels[spec]]
+            return r.evict[str(layer)][str(measured_window)]
+        return r.formats[str(layer)][self.labels[spec]]
 
     def kv_groups(self, allowed: set[str] | None = None, evict: bool = False,
                   retrieval_kl: float | None = None) -> list[Group]:
@@ -199,7 +195,7 @@ class Allocator:
         cost a long-range lookup at most that much (`retrieval_cost`)."""
         w = self.workload
         variants = self.exact_variants()
-        sink = self.retention.get("sink", 0)
+        sink = self.retention.sink if self.retention is not None else 0
         # (stored spec, its scheme, format spec, measured variant or None, measured window or None), the same
         # in every layer.
         choices = []
@@ -213,7 +209,7 @@ class Allocator:
                     if allowed is None or kept in allowed:  # allowed names exact options
                         choices.append((kept, parse_kv_candidates([kept], self.config)[0], spec, variant,
                                         window[1] if window else None))
-        evict_costs = self.retention.get("evict", {})
+        evict_costs = self.retention.evict if self.retention is not None else {}
         return [Group(f"kv.{i}", tuple(
             Option(kept, w.users * kv_layer_bytes(stored, self.config, i, w.context, self.block_size),
                    self.kv_cost(i, spec, variant) + (evict_costs[str(i)][str(measured)] if measured else 0.0))
@@ -324,7 +320,7 @@ def banded_or_plain(allocator: Allocator, solve: Callable[[Allocator], T]) -> tu
     return plain, solve(plain)
 
 
-def fitting_candidates(profile: dict, model, workload: Workload, count: int, head_bands: bool = True,
+def fitting_candidates(profile: Profile, model, workload: Workload, count: int, head_bands: bool = True,
                        **options) -> tuple[Allocator, list[Candidate]]:
     """The allocator and its second-pass candidates (`Allocator.candidates`, `options` passed on), the head
     whole where its bands cannot meet the budget (banded_or_plain)."""
@@ -350,13 +346,8 @@ def check_budget(model, workload: Workload, weight_schemes, kv_specs, include_he
     units = weight_units(model.config, include_head)
     schemes = [s.label for s in parse_weight_candidates(weight_schemes)]
     formats = parse_kv_candidates(kv_specs, model.config)
-    skeleton = {
-        "weights": {"units": [{"name": u.name, "layer": u.layer, "params": list(u.params),
-                               "shapes": [list(s) for s in u.shapes]} for u in units],
-                    "schemes": schemes, "kl": {u.name: dict.fromkeys(schemes, 0.0) for u in units}},
-        "kv": {"specs": list(kv_specs), "formats": [f.label for f in formats],
-               "kl": {str(i): {f.label: 0.0 for f in formats} for i in range(model.config.num_layers)}},
-    }
+    skeleton = Profile.of_zeros(units, schemes, list(kv_specs), [f.label for f in formats],
+                                model.config.num_layers)
     allocator = Allocator(skeleton, model, workload)
     groups = allocator.weight_groups() + allocator.kv_groups()
     if min_bytes(groups) > allocator.capacity():

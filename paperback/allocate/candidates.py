@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paperback.allocate.profile_data import AdditivityCheck
 from paperback.allocate.solver import Group, InfeasibleBudget, Option, solve
 from paperback.allocate.units import HEAD_BAND_UNIT, HEAD_UNIT
 
@@ -144,14 +145,14 @@ def kept_candidate(candidates: list[Candidate], margin: float = EVEN_MARGIN) -> 
     return even
 
 
-def within_additivity(candidates: list[Candidate], additivity: dict | None) -> list[Candidate]:
+def within_additivity(candidates: list[Candidate], additivity: AdditivityCheck | None) -> list[Candidate]:
     """The candidates a measurement could still rank first: those whose prediction, at the lowest
     measured/predicted ratio the profile's additivity check saw, is not above the best prediction at the
     highest. The rest would need the sum to be further off than it ever was, so they are not measured (on
     SmolLM2's demo budget the head-W4 solutions are predicted 36x worse than the W8 one)."""
-    points = (additivity or {}).get("points") or []
-    ratios = [p["measured"] / p["predicted"] for p in points if p["predicted"] > 0 and p["measured"] > 0]
-    if not ratios or not candidates:
+    ratios = additivity.ratio_range if additivity is not None else None
+    if ratios is None or not candidates:
         return candidates
+    low, high = ratios
     best = min(c.predicted for c in candidates)
-    return [c for c in candidates if c.predicted * min(ratios) <= best * max(ratios)]
+    return [c for c in candidates if c.predicted * low <= best * high]

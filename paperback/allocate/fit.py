@@ -83,17 +83,16 @@ class Fit:
         self.profile = self.profiler = None
         if profile_path is not None:
             self.profile = load_profile(profile_path, lm.model)
-            if self.profile["text"]["sha256"] != text_fingerprint(text):
+            if self.profile.text.sha256 != text_fingerprint(text):
                 raise PaperbackError(f"profile {profile_path} was measured on other text "
-                                     f"({self.profile['text']['source']}); fit evaluates on the part of the same "
+                                     f"({self.profile.text.source}); fit evaluates on the part of the same "
                                      "text the profile never read, so give that --text or profile this one")
             # The profile's own candidates, method and split decide the rest of the fit.
-            measured = self.profile["config"]
+            measured = self.profile.config
             config = replace(config, profile=replace(
-                config.profile, method=measured["method"], weight_schemes=tuple(measured["weight_schemes"]),
-                kv_formats=tuple(measured["kv_formats"]), span=measured["span"],
-                window_tokens=measured["window_tokens"], weight_tokens=measured["weight_tokens"],
-                include_head=measured["include_head"]))
+                config.profile, method=measured.method, weight_schemes=measured.weight_schemes,
+                kv_formats=measured.kv_formats, span=measured.span, window_tokens=measured.window_tokens,
+                weight_tokens=measured.weight_tokens, include_head=measured.include_head))
             self.config = config
         check_budget(lm.model, config.workload, config.profile.weight_schemes, config.profile.kv_formats,
                      config.profile.include_head)
@@ -123,15 +122,16 @@ class Fit:
         quality = self._evaluate(reference_lm, allocation)
         self.seconds["evaluate"] = time.perf_counter() - t0
         curve = allocator.budget_curve()
+        measured = self.profile.to_dict()
         return {"checkpoint": str(self.out_dir), "workload": asdict(self.config.workload),
                 "curve": curve, "breakdown": breakdown_point(curve, self.config.breakdown_kl),
                 "breakdown_kl": self.config.breakdown_kl,
                 "allocation": allocation.to_dict(), "second_pass": second_pass, "layers": self._layer_table(allocation),
-                "quantization": summary, "quality": quality, "additivity": self.profile.get("additivity"),
+                "quantization": summary, "quality": quality, "additivity": measured.get("additivity"),
                 "profile": {"key": self.profiler.key if self.profiler else None,
                             "path": str(self.profile_path) if self.profile_path else None,
-                            "seconds": self.profile.get("seconds", {})},
-                "tokens": self.profile.get("tokens"), "seconds": self.seconds, "config": self.config.to_dict()}
+                            "seconds": self.profile.seconds},
+                "tokens": self.profile.tokens, "seconds": self.seconds, "config": self.config.to_dict()}
 
     def _stage(self, message: str) -> None:
         if self.progress:
@@ -145,7 +145,7 @@ class Fit:
         from paperback.kv.policy import build_policy
 
         cfg = self.config
-        plausible = within_additivity(candidates, self.profile.get("additivity"))
+        plausible = within_additivity(candidates, self.profile.additivity)
         calibration = CalibrationConfig(cfg.text_source, cfg.calib_samples, cfg.profile.window_tokens,
                                         cfg.profile.seed, span=cfg.profile.span)
         if not METHODS[cfg.profile.method].calibrated:
@@ -157,15 +157,15 @@ class Fit:
                                   progress=self.progress)
 
         second = ShippedSecondPass(self.lm.model, self.lm.tokenizer, self.text,
-                                   ProfileConfig.from_dict(self.profile["config"]), self.progress,
+                                   self.profile.config, self.progress,
                                    cfg.even_margin)
         best = second.choose(plausible, quantize, lambda c: build_policy(
             self.lm.config, spec=allocator.allocation_of(c).kv_policy_spec()))
         allocation = allocator.allocation_of(best.candidate)
         self.lm.model = best.model
         extra = {"kv_policy": allocation.kv_policy_spec(), "allocation": allocation.to_dict(),
-                 "fit": {"workload": asdict(cfg.workload), "text": self.profile["text"],
-                         "profile_model": self.profile["model"]["fingerprint"]}}
+                 "fit": {"workload": asdict(cfg.workload), "text": asdict(self.profile.text),
+                         "profile_model": self.profile.model.fingerprint}}
         summary = save_quantized(self.lm, self._quantize_config(allocation, allocator), calibration, best.weights,
                                  best.seconds, self.out_dir, self.overwrite, extra)
         return allocation, [{**c.summary(), "chosen": c is best.candidate} for c in candidates], summary

@@ -35,7 +35,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -44,24 +44,21 @@ from tqdm.auto import tqdm
 
 from paperback.allocate.head_band_profile import USAGE_VERSION, measure_head_bands, random_band_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
-from paperback.allocate.estimate import MEASURE_MODES, anchor_factor, check_summary
+from paperback.allocate.profile_data import PROFILE_FORMAT, PROFILE_VERSION, Profile, ProfileConfig
+from paperback.allocate.estimate import anchor_factor, check_summary
 from paperback.allocate.quantized_units import EffectiveWeight, quantized_blocks, unit_weights
 from paperback.allocate.retrieval import RetrievalProbe, retrieval_prompts
 from paperback.allocate.stats import pearson, ranks
 from paperback.allocate.token_importance import token_importance
-from paperback.allocate.units import (DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES, HEAD_UNIT,
-                                      RETENTION_SINK, WeightUnit, parse_kv_candidates, parse_weight_candidates,
-                                      weight_units, with_retention)
+from paperback.allocate.units import (HEAD_UNIT, RETENTION_SINK, WeightUnit, parse_kv_candidates,
+                                      parse_weight_candidates, weight_units, with_retention)
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
 from paperback.quantization.awq import AWQConfig
-from paperback.quantization.model_pass import METHODS
 from paperback.quantization.head_bands import BandedWeight, band_rows, decode_band_of
 from paperback.quantization.rtn import quantize_rtn
 
-PROFILE_FORMAT = "paperback-profile"
-PROFILE_VERSION = 1
 # Eviction windows measured, as fractions of the long window; the allocator scales them to the context.
 EVICT_FRACTIONS = (0.25, 0.5)
 # Exact-token options measured for every quantized format: name -> (sink tokens, recent window or 0 for the
@@ -69,70 +66,7 @@ EVICT_FRACTIONS = (0.25, 0.5)
 EXACT_VARIANTS = {"sinks": (RETENTION_SINK, 0), "sinks_short_recent": (RETENTION_SINK, 32)}
 # AWQ's searches at profiling size: a sensitivity needs the scheme's error, not the last 1% of it.
 PROFILE_AWQ = AWQConfig(grid=10, clip_grid=10, clip_tokens=256, search_tokens=512)
-HEAD_TOKENS = 2048
 HEAD_BAND_CHECKS = 8  # random banded heads measured whole against their summed band costs
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    method: str = "awq"
-    weight_schemes: tuple[str, ...] = DEFAULT_WEIGHT_SCHEMES
-    kv_formats: tuple[str, ...] = DEFAULT_KV_FORMATS
-    windows: int = 1  # profiling windows the KL is measured on
-    window_tokens: int = 512  # KV formats and token importance read whole windows
-    weight_tokens: int = 256  # weight units are measured on each window's first weight_tokens
-    score_stride: int = 2  # KL over every score_stride-th position (all still run as context)
-    calib_samples: int = 2  # windows AWQ / GPTQ calibrate on, drawn from the same profiling part
-    span: float = 0.5  # leading fraction of the text that may be profiled; the rest is held out
-    kv_chunk: int = 64  # tokens per prefill chunk when a cache is read back
-    # One longer window on which each format is measured in every layer at once: per-layer costs from the
-    # short windows are scaled so their sum matches it, since a format's error grows with the tokens it holds.
-    kv_context: int = 2048
-    additivity_samples: int = 24
-    seed: int = 0
-    include_head: bool = True
-    # The output head is the one unit whose cost depends on which tokens appear, so the few positions the
-    # block units are scored on price it poorly (Gemma 3 W4 g64: 0.0093 there, 0.018 on eight 512-token
-    # windows); it is measured on this many positions of the profiled part, every one scored.
-    head_tokens: int = HEAD_TOKENS
-    # "anchored": each weight unit's KL is measured at one anchor scheme and each layer's KV cache at its
-    # fewest-bits format; the other cells are that factor times their own block error (allocate.estimate),
-    # and check_samples of them are measured as well. "all": every cell measured.
-    measure: str = "anchored"
-    weight_anchor: str | None = None  # None: W3a-g128 when a candidate, else the middle candidate by bits
-    check_samples: int = 16
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise PaperbackError(f"unknown method '{self.method}' (choose from {', '.join(METHODS)})")
-        if not 16 <= self.weight_tokens <= self.window_tokens:
-            raise PaperbackError("weight tokens must be at least 16 and at most the window")
-        if self.windows < 1 or self.calib_samples < 1 or self.score_stride < 1:
-            raise PaperbackError("profiling needs at least 1 window of at least 16 tokens and 1 calibration sample")
-        if not 0 < self.span <= 1:
-            raise PaperbackError(f"profiling span must be in (0, 1], got {self.span}")
-        if self.additivity_samples < 0 or self.kv_chunk < 1 or self.check_samples < 0:
-            raise PaperbackError("additivity and check samples must be >= 0 and the KV chunk >= 1")
-        if self.head_tokens < self.window_tokens:
-            raise PaperbackError(f"head tokens must be at least one window ({self.window_tokens})")
-        if self.measure not in MEASURE_MODES:
-            raise PaperbackError(f"unknown measure mode '{self.measure}' (choose from {', '.join(MEASURE_MODES)})")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ProfileConfig":
-        """The config a profile records (`to_dict`), keys left out at their defaults."""
-        known = {f.name for f in fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        data = {**asdict(self), "weight_schemes": list(self.weight_schemes), "kv_formats": list(self.kv_formats)}
-        if self.measure == "all":  # the settings of profiles measured before estimates existed: still reused
-            for key in ("measure", "weight_anchor", "check_samples"):
-                del data[key]
-        if self.head_tokens == HEAD_TOKENS:  # profiles from before: still reused, their head measured again
-            del data["head_tokens"]
-        return data
 
 
 def model_fingerprint(model) -> str:
@@ -305,7 +239,11 @@ class Profiler:
                 return cached
         return None
 
-    def run(self) -> dict:
+    def run(self) -> Profile:
+        """The finished profile: reused, completed (a part measured since it was written) or measured."""
+        return Profile.from_dict(self._measure(), f"profile {self.complete_path}")
+
+    def _measure(self) -> dict:
         finished = self._finished()
         if finished is not None and (self._retention_todo(finished.get("retention")) > 0
                                      or self._retrieval_todo(finished.get("retrieval"))
@@ -824,7 +762,7 @@ def additivity_summary(samples: list[dict]) -> dict:
     return {**stats(samples), "by_kind": by_kind, "points": samples}
 
 
-def load_profile(path: Path, model=None) -> dict:
+def load_profile(path: Path, model=None) -> Profile:
     """A complete profile from `path`, checked for shape and (given the model) for being this model's."""
     path = Path(path)
     try:
@@ -833,34 +771,8 @@ def load_profile(path: Path, model=None) -> dict:
         raise PaperbackError(f"profile {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PaperbackError(f"profile {path} is unreadable or not JSON ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise PaperbackError(f"{path} is not a paperback profile")
-    if data.get("version") != PROFILE_VERSION:
-        raise PaperbackError(f"profile {path} has version {data.get('version')!r}; this paperback reads "
-                             f"{PROFILE_VERSION}")
-    if not data.get("complete"):
-        raise PaperbackError(f"profile {path} is incomplete (an interrupted run); run `paperback profile` again "
-                             "to resume it")
-    try:
-        units = {u["name"] for u in data["weights"]["units"]}
-        for table, keys in ((data["weights"]["kl"], units), (data["kv"]["kl"], None)):
-            if keys is not None and set(table) != keys:
-                raise KeyError("weights.kl does not cover every unit")
-            for options in table.values():
-                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in options.values()):
-                    raise ValueError("a sensitivity is not a finite number")
-        bands = data["weights"].get("head_bands")
-        if bands is not None:
-            if set(bands["kl"]) != {f"band{b}" for b in range(len(bands["sizes"]))} or \
-                    not isinstance(bands["band_of"], str):
-                raise KeyError("weights.head_bands does not cover every band")
-            for options in bands["kl"].values():
-                if set(options) != set(data["weights"]["schemes"]) or \
-                        not all(isinstance(v, (int, float)) and math.isfinite(v) for v in options.values()):
-                    raise ValueError("a head band's sensitivities do not cover the schemes as finite numbers")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PaperbackError(f"profile {path} is malformed ({exc})") from None
-    if model is not None and data["model"].get("fingerprint") != model_fingerprint(model):
+    profile = Profile.from_dict(data, f"profile {path}")
+    if model is not None and profile.model.fingerprint != model_fingerprint(model):
         raise PaperbackError(f"profile {path} was measured on another model "
-                             f"({data['model'].get('label') or 'unknown'}); profile this one first")
-    return data
+                             f"({profile.model.label or 'unknown'}); profile this one first")
+    return profile

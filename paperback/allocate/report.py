@@ -16,6 +16,7 @@ from pathlib import Path
 
 from paperback.allocate.allocation import head_label
 from paperback.allocate.fit import needle_score
+from paperback.allocate.profile_data import Agreement, Assignment, Estimates, Profile
 from paperback.allocate.units import BLOCK_UNITS
 from paperback.kv.schemes import parse_kv_scheme
 
@@ -85,19 +86,19 @@ def _layers_plot(result: dict, schemes: list[str], formats: list[str]) -> str:
     return _png(fig)
 
 
-def _additivity_plot(points: list[dict], fitted: tuple[float, float] | None) -> str:
+def _additivity_plot(points: list[Assignment], fitted: tuple[float, float] | None) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.8, 4.2))
     colors = {"weights": "#4c72b0", "kv": "#dd8452", "joint": "#55a868", "head bands": "#8172b3"}
     for kind, color in colors.items():
-        group = [p for p in points if p["kind"] == kind]
+        group = [p for p in points if p.kind == kind]
         if group:
-            ax.scatter([p["predicted"] for p in group], [p["measured"] for p in group], s=18, color=color,
+            ax.scatter([p.predicted for p in group], [p.measured for p in group], s=18, color=color,
                        label=f"{kind} (profile text)")
     if fitted is not None:
         ax.scatter([fitted[0]], [fitted[1]], marker="*", s=160, color="crimson", label="fitted model (held out)")
-    values = [p["predicted"] for p in points] + [p["measured"] for p in points]
+    values = [p.predicted for p in points] + [p.measured for p in points]
     positive = [v for v in values if v > 0]
     if positive:
         lo, hi = min(positive), max(positive)
@@ -132,17 +133,17 @@ table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding
 text-align:right}th{background:#f2f2f2}img{max-width:100%}h2{margin-top:1.6em}.note{color:#555;font-size:13px}"""
 
 
-def render_report(result: dict, profile: dict) -> str:
+def render_report(result: dict, profile: Profile) -> str:
     """The report's HTML for a fit result (as `Fit.run` returns it) and the profile it used."""
     a, w, q = result["allocation"], result["workload"], result["quality"]
     e = q["eval"]
     curve = result["curve"]
     chosen = {"memory": w["memory"], "predicted_kl": a["predicted_kl"]}
     breakdown = result.get("breakdown")
-    parts = [f"<h1>paperback fit: {html.escape(profile['model'].get('label') or 'model')}</h1>",
+    parts = [f"<h1>paperback fit: {html.escape(profile.model.label or 'model')}</h1>",
              f"<p>{w['users']} user(s) x {w['context']:,} tokens in {_mib(w['memory'])}; profiled on "
-             f"{html.escape(str(profile['text']['source']))} (first {profile['text']['span']:.0%}, "
-             f"{profile['text']['profiled_tokens']:,} tokens), evaluated on the held-out rest.</p>",
+             f"{html.escape(str(profile.text.source))} (first {profile.text.span:.0%}, "
+             f"{profile.text.profiled_tokens:,} tokens), evaluated on the held-out rest.</p>",
              "<h2>Budget split</h2>", f'<img src="{_budget_plot(result)}" alt="budget split">',
              _table(["part", "bytes"], [["weights", _mib(a["weight_bytes"])], ["KV cache (all users)",
                                                                               _mib(a["kv_bytes"])],
@@ -160,7 +161,7 @@ def render_report(result: dict, profile: dict) -> str:
     parts.append(f"<p class=note>{e['tokens_scored']:,} tokens scored in {e['windows']} window(s) of "
                  f"{e['context']:,}.</p>")
     parts += ["<h2>Per layer</h2>",
-              f'<img src="{_layers_plot(result, profile["weights"]["schemes"], profile["kv"]["specs"])}" '
+              f'<img src="{_layers_plot(result, profile.weights.schemes, profile.kv.specs)}" '
               'alt="per-layer choices">']
     head = head_label(a["weights"])
     token_layers = (result.get("tokens") or {}).get("layers") or []
@@ -172,7 +173,7 @@ def render_report(result: dict, profile: dict) -> str:
                            *(f"{t[k]:.2f}" if k in t else "" for k in ("sink_mass", "recent_mass", "middle_mass"))])
     parts.append(_table(header, table_rows))
     if head:
-        tied = " (tied to the embedding)" if profile["model"]["config"].get("tie_word_embeddings") else ""
+        tied = " (tied to the embedding)" if profile.model.tied else ""
         parts.append(f"<p>Output head{tied}: {html.escape(head)}. Weight bits over the allocated units: "
                      f"{a['bits_per_weight']:.2f}.</p>")
     parts.append("<p class=note>Retention: 'all' keeps every token in the layer's format; 'sinks N exact' keeps "
@@ -186,7 +187,7 @@ def render_report(result: dict, profile: dict) -> str:
                      "that do the lookup neither evict nor round it away.</p>")
     parts.append(_additivity_section(profile, (q["predicted_kl"], e["kl_divergence"])))
     parts.append(_second_pass_section(result.get("second_pass") or []))
-    parts.append(_estimates_section(profile.get("estimates")))
+    parts.append(_estimates_section(profile.estimates))
     parts += ["<h2>Quality against budget</h2>", f'<img src="{_curve_plot(curve, chosen, breakdown)}" alt="curve">']
     if breakdown is not None:
         margin = w["memory"] - breakdown["memory"]
@@ -200,27 +201,28 @@ def render_report(result: dict, profile: dict) -> str:
            f"</head><body>{body}</body></html>"
 
 
-def _summary_row(name: str, summary: dict) -> list:
-    return [name, summary["samples"], f"{summary['pearson']:.3f}", f"{summary['spearman']:.3f}",
-            f"{summary['median_measured_over_predicted']:.2f}"]
+def _summary_row(name: str, summary: Agreement) -> list:
+    return [name, summary.samples, f"{summary.pearson:.3f}", f"{summary.spearman:.3f}",
+            f"{summary.median_measured_over_predicted:.2f}"]
 
 
-def _additivity_section(profile: dict, fitted: tuple[float, float]) -> str:
+def _additivity_section(profile: Profile, fitted: tuple[float, float]) -> str:
     """The profile's additivity check (random mixed assignments) and, for a head in bands, the bands' own
     check (random banded heads), predicted sums against whole-model measurements."""
-    add = profile.get("additivity")
-    band_check = (profile["weights"].get("head_bands") or {}).get("check")
+    add = profile.additivity
+    bands = profile.weights.head_bands
+    band_check = bands.check if bands is not None else None
     parts = ["<h2>Predicted against measured quality</h2>"]
-    points = (add["points"] if add else []) + (band_check["points"] if band_check else [])
+    points = (add.points if add else ()) + (band_check.points if band_check else ())
     if points:
         parts.append(f'<img src="{_additivity_plot(points, fitted)}" alt="additivity">')
     rows = []
     if add:
-        rows = [_summary_row("all", add), *(_summary_row(kind, s) for kind, s in add["by_kind"].items())]
+        rows = [_summary_row("all", add.overall), *(_summary_row(kind, s) for kind, s in add.by_kind.items())]
     else:
         parts.append("<p>The profile has no additivity check (it was run with 0 samples).</p>")
     if band_check:
-        rows.append(_summary_row("head bands", band_check))
+        rows.append(_summary_row("head bands", band_check.overall))
     if rows:
         parts.append(_table(["assignments", "n", "Pearson", "Spearman", "median measured / predicted"], rows))
     if band_check:
@@ -245,23 +247,23 @@ def _second_pass_section(candidates: list[dict]) -> str:
             + _table(["candidate", "predicted KL", "measured KL", "allocated bytes"], rows))
 
 
-def _estimates_section(estimates: dict | None) -> str:
-    if not estimates:
+def _estimates_section(estimates: Estimates | None) -> str:
+    if estimates is None:
         return "<p>Every cell of the profile was measured (--measure all).</p>"
-    text = (f"<p>Each weight unit's KL was measured at {html.escape(estimates['weight_anchor'])} and each layer's "
-            f"KV cache in {html.escape(estimates['kv_anchor'])}; the other cells are that anchor's KL per unit of "
+    text = (f"<p>Each weight unit's KL was measured at {html.escape(estimates.weight_anchor)} and each layer's "
+            f"KV cache in {html.escape(estimates.kv_anchor)}; the other cells are that anchor's KL per unit of "
             "block output error times their own block error.")
-    check = estimates.get("check")
-    if not check or not check["positive"]:
+    check = estimates.check
+    if check is None or not check.positive:
         return text + " No estimated cell was measured as a check.</p>"
-    rows = [[kind, s["samples"], f"{s['median_abs_log_ratio']:.2f}" if s["median_abs_log_ratio"] is not None else ""]
-            for kind, s in check["by_kind"].items()]
-    return (text + f" {check['samples']} estimated cells were measured as well: median |log(estimate / measured)| "
-            f"{check['median_abs_log_ratio']:.2f} (90th percentile {check['p90_abs_log_ratio']:.2f}), Spearman "
-            f"{check['spearman']:.3f}.</p>" + _table(["cells", "n", "median |log ratio|"], rows))
+    rows = [[kind, samples, f"{median:.2f}" if median is not None else ""]
+            for kind, (samples, median) in check.by_kind.items()]
+    return (text + f" {check.samples} estimated cells were measured as well: median |log(estimate / measured)| "
+            f"{check.median_abs_log_ratio:.2f} (90th percentile {check.p90_abs_log_ratio:.2f}), Spearman "
+            f"{check.spearman:.3f}.</p>" + _table(["cells", "n", "median |log ratio|"], rows))
 
 
-def write_report(result: dict, profile: dict, path: Path) -> Path:
+def write_report(result: dict, profile: Profile, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
+from paperback.allocate.profile_data import Profile
 from paperback.allocate.retrieval import RETRIEVAL_KL
 from paperback.cli.common import add_json_arg, add_model_arg, split_list
 from paperback.cli.output import note, print_json, print_table
@@ -14,7 +16,7 @@ from paperback.quantization.model_pass import METHODS
 
 
 def register(sub) -> None:
-    from paperback.allocate.profile import HEAD_TOKENS
+    from paperback.allocate.profile_data import HEAD_TOKENS
     from paperback.allocate.units import DEFAULT_KV_FORMATS, DEFAULT_WEIGHT_SCHEMES
 
     p = sub.add_parser("profile", help="measure each weight unit's and KV layer's sensitivity (a profile for fit)",
@@ -86,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
     parse_kv_candidates(config.kv_formats, lm.config)
     profiler = Profiler(lm.model, lm.tokenizer, text, args.text, config, args.cache_dir, progress=not args.json,
                         model_label=lm.source.label)
-    data = profiler.run()
+    profile = profiler.run()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_name(args.output.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
     os.replace(tmp, args.output)
-    summary = profile_summary(data)
+    summary = profile_summary(profile)
     if args.json:
         print_json({"output": str(args.output), **summary})
         return 0
@@ -116,53 +118,57 @@ def run(args: argparse.Namespace) -> int:
         note(f"estimates: {check['samples']} estimated cells measured as well: median |log(estimate/measured)| "
              f"{check['median_abs_log_ratio']:.2f} (p90 {check['p90_abs_log_ratio']:.2f}), Spearman "
              f"{check['spearman']:.3f}")
-    where = data.get("reused_from_cache")
+    where = profile.reused_from
     note(f"profile written to {args.output}" + (f" (reused {where})" if where else
-                                                f" in {sum(data['seconds'].values()):.0f} s"))
+                                                f" in {sum(profile.seconds.values()):.0f} s"))
     return 0
 
 
-def profile_summary(data: dict) -> dict:
+def profile_summary(profile: Profile) -> dict:
+    """The rows `profile` prints (and `--json` gives): per scheme and option, summed and largest costs."""
     weights = []
-    kl = data["weights"]["kl"]
-    for label in data["weights"]["schemes"]:
+    kl = profile.weights.kl
+    for label in profile.weights.schemes:
         per_unit = {unit: options[label] for unit, options in kl.items()}
         top = max(per_unit, key=per_unit.get)
         low = min(per_unit, key=per_unit.get)
         weights.append([label, f"{sum(per_unit.values()):.4f}", top, f"{per_unit[top]:.5f}", low,
                         f"{per_unit[low]:.2e}"])
     kv = []
-    for label in data["kv"]["formats"]:
-        per_layer = {layer: options[label] for layer, options in data["kv"]["kl"].items()}
+    for label in profile.kv.formats:
+        per_layer = {layer: options[label] for layer, options in profile.kv.kl.items()}
         top = max(per_layer, key=per_layer.get)
         kv.append([label, f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
     retention = []
-    r = data.get("retention") or {}
-    for label in data["kv"]["formats"]:
-        per_layer = {layer: options[label] for layer, options in r.get("sinks", {}).items() if label in options}
+    r = profile.retention
+    windows = r.windows if r is not None else ()
+    for label in profile.kv.formats:
+        sinks = r.tables.get("sinks", {}) if r is not None else {}
+        per_layer = {layer: options[label] for layer, options in sinks.items() if label in options}
         if per_layer:
             top = max(per_layer, key=per_layer.get)
-            retention.append([f"{label}, first {r['sink']} exact", f"{sum(per_layer.values()):.5f}", top,
+            retention.append([f"{label}, first {r.sink} exact", f"{sum(per_layer.values()):.5f}", top,
                               f"{per_layer[top]:.5f}"])
-    for window in r.get("windows", []):
-        per_layer = {layer: options[str(window)] for layer, options in r.get("evict", {}).items()}
+    for window in windows:
+        per_layer = {layer: options[str(window)] for layer, options in r.evict.items()}
         top = max(per_layer, key=per_layer.get)
-        retention.append([f"fp16, sinks {r['sink']} + last {window} of {r['long_tokens']}",
+        retention.append([f"fp16, sinks {r.sink} + last {window} of {r.long_tokens}",
                           f"{sum(per_layer.values()):.5f}", top, f"{per_layer[top]:.5f}"])
     retrieval = []
-    found = data.get("retrieval") or {}
-    options = [(label, "formats", label) for label in data["kv"]["formats"]]
-    options += [(f"evicting all but the last {w} of {found.get('tokens')}", "evict", str(w))
-                for w in r.get("windows", [])]
-    for name, part, key in options:
-        per_layer = {layer: cells[key] for layer, cells in found.get(part, {}).items() if key in cells}
-        if per_layer:
-            top = sorted(per_layer, key=per_layer.get, reverse=True)[:3]
-            retrieval.append([name, str(sum(v > RETRIEVAL_KL for v in per_layer.values())),
-                              ", ".join(f"{layer} ({per_layer[layer]:.4f})" for layer in top)])
-    add = data.get("additivity")
-    check = (data.get("estimates") or {}).get("check")
+    found = profile.retrieval
+    if found is not None:
+        options = [(label, found.formats, label) for label in profile.kv.formats]
+        options += [(f"evicting all but the last {w} of {found.tokens}", found.evict, str(w)) for w in windows]
+        for name, table, key in options:
+            per_layer = {layer: cells[key] for layer, cells in table.items() if key in cells}
+            if per_layer:
+                top = sorted(per_layer, key=per_layer.get, reverse=True)[:3]
+                retrieval.append([name, str(sum(v > RETRIEVAL_KL for v in per_layer.values())),
+                                  ", ".join(f"{layer} ({per_layer[layer]:.4f})" for layer in top)])
+    add = profile.additivity
+    check = profile.estimates.check if profile.estimates is not None else None
     return {"weights": weights, "kv": kv, "retention": retention, "retrieval": retrieval,
-            "additivity": {k: v for k, v in add.items() if k != "points"} if add else None,
-            "estimates": {k: v for k, v in check.items() if k != "points"} if check else None,
-            "seconds": data.get("seconds", {})}
+            "additivity": {**asdict(add.overall), "by_kind": {k: asdict(v) for k, v in add.by_kind.items()}}
+            if add else None,
+            "estimates": asdict(check) if check else None,
+            "seconds": profile.seconds}

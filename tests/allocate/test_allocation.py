@@ -88,21 +88,23 @@ def test_the_shipped_profiles_are_the_bundled_models_and_allocate_quietly(smollm
     from importlib import resources
 
     from paperback.allocate.profile import ProfileConfig, Profiler, load_profile
+    from paperback.allocate.profile_data import Profile
     from paperback.evaluation.datasets import load_text
 
     shipped = [Path(str(p)) for p in resources.files("paperback.data").joinpath("profiles").iterdir()
                if p.name.endswith(".json")]
     profiles = {path: load_profile(path) for path in shipped}
-    assert {p["model"]["label"] for p in profiles.values()} == {"smollm2", "gemma3"}
+    assert {p.model.label for p in profiles.values()} == {"smollm2", "gemma3"}
     for path, profile in profiles.items():
-        assert path.name.startswith(profile["model"]["fingerprint"][:16])
-    mine = [path for path, p in profiles.items() if p["model"]["label"] == "smollm2"]
+        assert path.name.startswith(profile.model.fingerprint[:16])
+        assert profile.to_dict() == json.loads(path.read_text())  # read whole, given back unchanged
+    mine = [path for path, p in profiles.items() if p.model.label == "smollm2"]
     assert len(mine) == 2  # the default (anchored) and every cell measured
     for path in mine:
         load_profile(path, smollm2.model)
     default = Profiler(smollm2.model, smollm2.tokenizer, load_text("pydoc"), "pydoc", ProfileConfig(), progress=False)
-    profile = default._finished()
-    assert profile is not None and profile["estimates"]["mode"] == "anchored"
+    profile = Profile.from_dict(default._finished())
+    assert profile.estimates is not None and profile.config == ProfileConfig()
     capfd.readouterr()
     allocation = Allocator(profile, smollm2.model, Workload(800 * 2 ** 20, 8192, 8)).allocate()
     assert capfd.readouterr().out == ""
@@ -112,11 +114,10 @@ def test_the_shipped_profiles_are_the_bundled_models_and_allocate_quietly(smollm
 def test_retention_options_come_from_the_profile_and_are_counted_like_the_planner(profile, tiny_lm):
     """Exact sinks are a per-layer option, and so is eviction (when asked for), counted per layer as the
     engine's cache groups hold it."""
-    retention = profile["retention"]
-    assert retention["complete"] and retention["sink"] == 32
-    assert set(retention["sinks"]["0"]) == {"int8", "kivi2"}  # every quantized format, with its sinks exact
-    assert retention["windows"] and all(len(retention["evict"][str(i)]) == len(retention["windows"])
-                                        for i in range(2))
+    retention = profile.retention
+    assert retention.complete and retention.sink == 32
+    assert set(retention.tables["sinks"]["0"]) == {"int8", "kivi2"}  # every quantized format, sinks exact
+    assert retention.windows and all(len(retention.evict[str(i)]) == len(retention.windows) for i in range(2))
     low, high = smallest_and_largest(Allocator(profile, tiny_lm.model, Workload(10 ** 12, 400, 3)))
     tight = Allocator(profile, tiny_lm.model, Workload(int(low), 400, 3))
     kept = tight.allocate()

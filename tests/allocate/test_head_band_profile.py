@@ -44,9 +44,11 @@ def test_output_side_band_kl_is_the_kl_with_only_that_bands_logits_changed():
 
 
 def test_a_tied_heads_bands_are_profiled_scaled_to_the_head_and_checked_whole(tied_profile, tied_lm):
-    profiler, data = tied_profile
+    profiler, profile = tied_profile
+    data = profile.to_dict()
     bands = data["weights"]["head_bands"]
     band_of = decode_band_of(bands["band_of"], 256)
+    assert profile.weights.head_bands.kl == bands["kl"] and list(profile.weights.head_bands.sizes) == bands["sizes"]
     assert bands["sizes"] == [len(r) for r in band_rows(band_of)] and sum(bands["sizes"]) == 256
     head = data["weights"]["kl"]["head"]
     for label in CONFIG.weight_schemes:
@@ -71,29 +73,30 @@ def test_a_tied_heads_bands_are_profiled_scaled_to_the_head_and_checked_whole(ti
 
 def test_a_profile_from_before_head_bands_gets_them_and_nothing_else_is_remeasured(tied_profile, tied_lm,
                                                                                    char_tokenizer, tmp_path):
-    profiler, data = tied_profile
+    profiler, profile = tied_profile
+    data = profile.to_dict()
     old = json.loads(json.dumps(data))
     del old["weights"]["head_bands"]
     profiler.complete_path.write_text(json.dumps(old))
     again = Profiler(tied_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
     again._weights = again._kv = again._head = None  # nothing but the bands may run
-    upgraded = again.run()
+    upgraded = again.run().to_dict()
     assert upgraded["weights"]["head_bands"]["kl"] == data["weights"]["head_bands"]["kl"]
     assert upgraded["weights"]["kl"] == data["weights"]["kl"] and upgraded["kv"] == data["kv"]
 
 
 def test_an_untied_head_has_no_bands(tiny_lm, char_tokenizer, tmp_path):
-    data = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False).run()
-    assert "head_bands" not in data["weights"]
-    allocator = Allocator(data, tiny_lm.model, Workload(10 ** 12, 128, 1))
+    profile = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False).run()
+    assert profile.weights.head_bands is None and "head_bands" not in profile.to_dict()["weights"]
+    allocator = Allocator(profile, tiny_lm.model, Workload(10 ** 12, 128, 1))
     assert allocator.band_of is None and any(u.name == "head" for u in allocator.units)
 
 
 def test_the_allocator_gives_each_band_its_scheme_and_pays_for_the_layout(tied_profile, tied_lm):
-    _, data = tied_profile
-    plain = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1), head_bands=False)
+    _, profile = tied_profile
+    plain = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1), head_bands=False)
     assert [u.name for u in plain.units if u.layer is None] == ["head"]
-    probe = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1))
+    probe = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1))
     assert [u.name for u in probe.units if u.layer is None] == [f"head.band{b}" for b in range(8)]
     assert probe.layout_bytes == 256
     # A budget between uniform W2 and W4: the bands are worth mixing.
@@ -101,7 +104,7 @@ def test_the_allocator_gives_each_band_its_scheme_and_pays_for_the_layout(tied_p
     low = sum(min(o.bytes for o in g.options) for g in groups)
     high = sum(max(o.bytes for o in g.options) for g in groups)
     fixed = probe.runtime + probe.fixed_bytes + probe.kv_groups()[0].options[0].bytes * 2
-    allocation = Allocator(data, tied_lm.model, Workload(int(fixed + low + 0.3 * (high - low)), 128, 1)).allocate()
+    allocation = Allocator(profile, tied_lm.model, Workload(int(fixed + low + 0.3 * (high - low)), 128, 1)).allocate()
     labels = [allocation.weights[f"head.band{b}"] for b in range(8)]
     assert len(set(labels)) > 1 and head_label(allocation.weights).endswith(", ".join(labels))
     schemes, head_bands = probe.quantize_schemes(allocation.layer_schemes(probe.units))
@@ -119,8 +122,8 @@ def test_the_allocator_gives_each_band_its_scheme_and_pays_for_the_layout(tied_p
 
 
 def test_candidates_are_the_free_bands_then_plain_heads_then_even_bits(tied_profile, tied_lm):
-    _, data = tied_profile
-    probe = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1))
+    _, profile = tied_profile
+    probe = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1))
     groups = probe.weight_groups()
     mid = sum(sorted(o.bytes for o in g.options)[1] for g in groups)
     from paperback.allocate.candidates import second_pass_candidates
@@ -140,9 +143,10 @@ def test_random_band_assignments_are_seeded_and_use_the_candidates():
 
 def test_a_profile_with_corrupt_head_bands_is_refused(tied_profile, tied_lm, tmp_path):
     from paperback.allocate.profile import load_profile
+    from paperback.allocate.profile_data import Profile
     from paperback.errors import PaperbackError
 
-    _, data = tied_profile
+    data = tied_profile[1].to_dict()
     for corrupt, message in ((lambda b: b["kl"].pop("band3"), "cover every band"),
                              (lambda b: b["kl"]["band0"].pop("W8s-ch"), "cover the schemes"),
                              (lambda b: b["kl"]["band1"].update({"W8s-ch": float("nan")}), "cover the schemes")):
@@ -155,15 +159,15 @@ def test_a_profile_with_corrupt_head_bands_is_refused(tied_profile, tied_lm, tmp
     bad = json.loads(json.dumps(data))
     bad["weights"]["head_bands"]["band_of"] = bad["weights"]["head_bands"]["band_of"][:-8]
     with pytest.raises(PaperbackError, match="entries, the vocabulary"):
-        Allocator(bad, tied_lm.model, Workload(10 ** 12, 128, 1))
+        Allocator(Profile.from_dict(bad), tied_lm.model, Workload(10 ** 12, 128, 1))
 
 
 def test_head_bands_take_at_least_three_bits_unless_asked(tied_profile, tied_lm):
     """The ranking is the profiled text's; 2-bit rows for tokens it rarely saw cost another text dearly."""
-    _, data = tied_profile
+    _, profile = tied_profile
     for floor, lowest in ((None, 4), (2, 2)):  # candidates W8, W4 and W2: W4 is the least at 3 bits or more
         kwargs = {} if floor is None else {"band_min_bits": floor}
-        allocator = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1), **kwargs)
+        allocator = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1), **kwargs)
         for group in allocator.weight_groups():
             bits = {allocator.schemes[o.label].bits for o in group.options}
             assert min(bits) == (lowest if group.name.startswith("head.band") else 2)
@@ -181,15 +185,16 @@ def test_the_models_own_text_is_seeded_and_weighs_like_the_profiled_text(tied_lm
 def test_bands_ranked_another_way_are_measured_again(tied_profile, tied_lm, char_tokenizer, tmp_path):
     from paperback.allocate.head_band_profile import USAGE_VERSION
 
-    profiler, data = tied_profile
-    assert data["weights"]["head_bands"]["usage"] == USAGE_VERSION
+    profiler, profile = tied_profile
+    data = profile.to_dict()
+    assert profile.weights.head_bands.usage == USAGE_VERSION
     old = json.loads(json.dumps(data))
     old["weights"]["head_bands"]["usage"] = "text/0"
     old["weights"]["head_bands"]["kl"]["band0"] = {label: 9.0 for label in CONFIG.weight_schemes}
     profiler.complete_path.write_text(json.dumps(old))
     again = Profiler(tied_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
     upgraded = again.run()
-    assert upgraded["weights"]["head_bands"]["kl"] == data["weights"]["head_bands"]["kl"]
+    assert upgraded.weights.head_bands.kl == profile.weights.head_bands.kl
 
 
 def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one_unit(tied_profile, tied_lm):
@@ -198,9 +203,9 @@ def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one
     from paperback.allocate.candidates import second_pass_candidates
     from paperback.allocate.solver import InfeasibleBudget, min_bytes
 
-    _, data = tied_profile
-    probe = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1))
-    plain = Allocator(data, tied_lm.model, Workload(10 ** 12, 128, 1), head_bands=False)
+    _, profile = tied_profile
+    probe = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1))
+    plain = Allocator(profile, tied_lm.model, Workload(10 ** 12, 128, 1), head_bands=False)
     fixed = probe.runtime + probe.fixed_bytes
     banded_min = fixed + min_bytes(probe.weight_groups() + probe.kv_groups())
     plain_min = fixed + min_bytes(plain.weight_groups() + plain.kv_groups())
@@ -208,12 +213,12 @@ def test_a_budget_only_a_plain_two_bit_head_meets_is_fitted_with_the_head_as_one
     workload = Workload(int(plain_min + (banded_min - plain_min) // 2), 128, 1)
     check_budget(tied_lm.model, workload, CONFIG.weight_schemes, CONFIG.kv_formats)  # let through before work
     with pytest.raises(InfeasibleBudget):
-        Allocator(data, tied_lm.model, workload).candidates(2)
-    allocator, candidates = fitting_candidates(data, tied_lm.model, workload, 2)
+        Allocator(profile, tied_lm.model, workload).candidates(2)
+    allocator, candidates = fitting_candidates(profile, tied_lm.model, workload, 2)
     assert allocator.band_of is None and candidates[0].chosen["head"].label == "W2a-g64"
     assert allocator.allocation_of(candidates[0]).total_bytes <= workload.memory
     with pytest.raises(InfeasibleBudget):  # below every plain head too: still refused
-        fitting_candidates(data, tied_lm.model, Workload(int(plain_min) - 1, 128, 1), 2)
+        fitting_candidates(profile, tied_lm.model, Workload(int(plain_min) - 1, 128, 1), 2)
     # The benchmarks' weights-only solve keeps the same rule (banded_or_plain)
     weights_plain, weights_banded = min_bytes(plain.weight_groups()), min_bytes(probe.weight_groups())
     budget = (weights_plain + weights_banded) // 2

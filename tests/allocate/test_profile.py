@@ -28,23 +28,24 @@ def profiler(request, tiny_lm, char_tokenizer, tmp_path):
 
 
 def test_profile_measures_every_unit_layer_and_assignment(profiler):
-    data = profiler.run()
-    assert data["complete"]
-    kl = data["weights"]["kl"]
-    assert set(kl) == {u["name"] for u in data["weights"]["units"]}
+    profile = profiler.run()
+    kl = profile.weights.kl
+    assert set(kl) == {u.name for u in profile.weights.units} == {u.name for u in profiler.units}
     for unit, options in kl.items():
         assert options["W2a-g64"] > options["W8s-ch"] >= -1e-5, unit  # fewer bits cost more
-    kv = data["kv"]["kl"]
+    kv = profile.kv.kl
     assert set(kv) == {"0", "1"}
     for options in kv.values():
         assert options["kivi2"] > 10 * abs(options["fp16"])
-    long = data["kv"]["long"]
-    assert long["tokens"] == 512  # capped at the tiny model's positions
-    assert long["kl"]["kivi2"] > 0 and set(long["scale"]) == {"fp16", "kivi2"}
-    add = data["additivity"]
-    assert add["samples"] == 6 and len(add["points"]) == 6
-    assert {p["kind"] for p in add["points"]} == {"weights", "kv", "joint"}
-    for layer in data["tokens"]["layers"]:
+    long = profile.kv.long
+    assert long.tokens == 512  # capped at the tiny model's positions
+    assert long.kl["kivi2"] > 0 and set(long.scale) == {"fp16", "kivi2"}
+    assert profile.kv_layer_cost(1, "kivi2") == kv["1"]["kivi2"] * long.scale["kivi2"]
+    add = profile.additivity
+    assert add.overall.samples == 6 and len(add.points) == 6
+    assert {p.kind for p in add.points} == {"weights", "kv", "joint"}
+    assert profile.model.label == "tiny" and profile.config == profiler.config
+    for layer in profile.tokens["layers"]:
         assert sum(layer["mass_by_position"]) == pytest.approx(1.0, abs=1e-4)
         assert layer["sink_mass"] + layer["recent_mass"] + layer["middle_mass"] == pytest.approx(1.0, abs=1e-5)
 
@@ -80,25 +81,25 @@ def test_interrupted_profile_resumes_and_never_looks_complete(profiler, tiny_lm,
     config = profiler.config
     again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", config, tmp_path / "cache",
                      progress=False)
-    data = again.run()
+    profile = again.run()
     # Only the KV layers and the retention options were left to measure; weights were kept.
-    r = data["retention"]
-    retention_cells = sum(len(cells) for name in [*r["variants"], "evict"] for cells in r[name].values())
-    assert retention_cells == 2 * (2 * 1 + len(r["windows"])) and len(r["windows"]) == 2  # per layer: 2 x kivi2
+    r = profile.retention
+    retention_cells = sum(len(cells) for table in [*r.tables.values(), r.evict] for cells in table.values())
+    assert retention_cells == 2 * (2 * 1 + len(r.windows)) and len(r.windows) == 2  # per layer: 2 x kivi2
     if config.measure == "all":  # one kl_from per layer and format, and per retention cell
-        assert len(calls) == 2 * 2 + retention_cells
+        assert len(calls) == 2 * 2 + retention_cells and profile.estimates is None
     else:  # per layer: the KV anchor (kivi2) and the shortest eviction window; then the check's sample
-        check = data["estimates"]["check"]
-        assert len(calls) == 2 * 1 + 2 * 1 + check["samples"] and check["samples"] > 0
-    assert data["complete"] and not again.partial_path.exists()
+        check = profile.estimates.check
+        assert len(calls) == 2 * 1 + 2 * 1 + check.samples and check.samples > 0
+    assert r.complete and not again.partial_path.exists() and profile.reused_from is None
     reused = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", config, tmp_path / "cache",
                       progress=False).run()
-    assert reused["reused_from_cache"] and reused["weights"] == data["weights"]
+    assert reused.reused_from == str(again.complete_path) and reused.weights == profile.weights
 
 
 def test_anchored_cells_are_the_anchor_factor_times_their_block_error(tiny_lm, char_tokenizer, tmp_path):
     profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
-    data = profiler.run()
+    data = profiler.run().to_dict()
     est = data["estimates"]
     assert est["weight_anchor"] == "W2a-g64" and est["kv_anchor"] == "kivi2"  # the fewest bits of two
     probe = ReferenceProbe(tiny_lm.model, profiler.text.windows[:, :CONFIG.weight_tokens], score_stride=2)
@@ -130,16 +131,16 @@ def test_the_head_is_measured_on_head_tokens_positions_with_the_whole_model(tiny
     """The head's cost depends on which tokens appear: it is priced on many more positions than a block
     unit, and with the whole model, since a tied head is also the embedding every block reads."""
     profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
-    data = profiler.run()
+    profile = profiler.run()
     head_windows = profiler.text.head_windows
     assert head_windows.shape == (11, 128)  # 1,500 profiled tokens: as many whole windows as fit
-    assert data["weights"]["head_tokens"] == head_windows.numel()
+    assert profile.weights.head_tokens == head_windows.numel()
     probe = ReferenceProbe(tiny_lm.model, head_windows)
     for label in ("W8s-ch", "W2a-g64"):
         with swapped_weights(tiny_lm.model, profiler.unit_weights(next(u for u in profiler.units
                                                                         if u.name == "head"), label)):
-            assert data["weights"]["kl"]["head"][label] == pytest.approx(probe.kl_full(), rel=1e-5)
-    assert "head_tokens" not in data["config"]  # the default keeps earlier profiles' keys
+            assert profile.weights.kl["head"][label] == pytest.approx(probe.kl_full(), rel=1e-5)
+    assert "head_tokens" not in profile.to_dict()["config"]  # the default keeps earlier profiles' keys
     assert "head_tokens" in replace(CONFIG, head_tokens=1024).to_dict()
     with pytest.raises(PaperbackError, match="head tokens"):
         replace(CONFIG, head_tokens=64)
@@ -148,14 +149,14 @@ def test_the_head_is_measured_on_head_tokens_positions_with_the_whole_model(tiny
 def test_a_profile_from_before_the_head_was_measured_so_is_upgraded(tiny_lm, char_tokenizer, tmp_path):
     """Its head is measured again and its additivity predictions summed again; nothing else is remeasured."""
     profiler = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
-    data = profiler.run()
+    data = profiler.run().to_dict()
     old = json.loads(json.dumps(data))
     del old["weights"]["head_tokens"]
     old["weights"]["kl"]["head"] = {label: 9.0 for label in old["weights"]["kl"]["head"]}
     profiler.complete_path.write_text(json.dumps(old))
     again = Profiler(tiny_lm.model, char_tokenizer, sample_text(), "sample", CONFIG, tmp_path, progress=False)
     again._weights = again._kv = None  # nothing but the head may run
-    upgraded = again.run()
+    upgraded = again.run().to_dict()
     assert upgraded["weights"]["kl"] == data["weights"]["kl"] and upgraded["kv"] == data["kv"]
     assert upgraded["additivity"]["points"] == data["additivity"]["points"]
     assert upgraded["additivity"]["pearson"] == pytest.approx(data["additivity"]["pearson"])
@@ -193,10 +194,10 @@ def test_load_profile_refuses_bad_files(profiler, tmp_path, tiny_gguf):
     from helpers import tiny_llama_hf, write_llama_gguf
     from paperback.loading import load_model
 
-    data = profiler.run()
+    data = profiler.run().to_dict()
     good = tmp_path / "good.json"
     good.write_text(json.dumps(data))
-    assert load_profile(good)["complete"]
+    assert load_profile(good).weights.kl == data["weights"]["kl"]
     cases = {"missing.json": None, "garbage.json": "{not json", "other.json": json.dumps({"format": "x"}),
              "truncated.json": json.dumps(data)[:500]}
     broken = json.loads(json.dumps(data))
@@ -205,6 +206,12 @@ def test_load_profile_refuses_bad_files(profiler, tmp_path, tiny_gguf):
     nan = json.loads(json.dumps(data))
     nan["kv"]["kl"]["0"]["fp16"] = math.nan
     cases["nan.json"] = json.dumps(nan)
+    retention = json.loads(json.dumps(data))
+    retention["retention"]["sinks"]["1"]["kivi2"] = "0.1"
+    cases["retention.json"] = json.dumps(retention)
+    retrieval = json.loads(json.dumps(data))
+    retrieval["retrieval"]["formats"]["0"]["fp16"] = None
+    cases["retrieval.json"] = json.dumps(retrieval)
     for name, content in cases.items():
         path = tmp_path / name
         if content is not None:

@@ -1,5 +1,7 @@
 """The retrieval probe: what one layer's cache option costs a planted fact's answer, and the allocator's bound."""
 
+from dataclasses import replace
+
 import pytest
 
 from paperback.allocate.allocation import Allocator, Workload
@@ -62,14 +64,14 @@ def test_the_last_layer_alone_is_measured_exactly(tiny_lm, prompts):
 
 def test_the_profile_measures_retrieval_and_the_allocator_bounds_it(measured):
     tiny_lm, profile = measured
-    r = profile["retrieval"]
-    assert r["complete"] and r["tokens"] == 512
-    windows = profile["retention"]["windows"]
+    r = profile.retrieval
+    assert r.complete and r.tokens == 512
+    windows = profile.retention.windows
     for i in ("0", "1"):
-        assert set(r["formats"][i]) == {"fp16", "kivi2"} and set(r["evict"][i]) == set(map(str, windows))
+        assert set(r.formats[i]) == {"fp16", "kivi2"} and set(r.evict[i]) == set(map(str, windows))
     allocator = Allocator(profile, tiny_lm.model, Workload(10 ** 12, 400, 1))
     free = allocator.kv_groups(evict=True)
-    bound = min(min(cells.values()) for cells in r["evict"].values()) / 2
+    bound = min(min(cells.values()) for cells in r.evict.values()) / 2
     bounded = allocator.kv_groups(evict=True, retrieval_kl=bound)
     assert all("win" in o.label for g in free for o in g.options if "win" in o.label)
     assert any("win" in o.label for g in free for o in g.options)
@@ -83,7 +85,7 @@ def test_the_profile_measures_retrieval_and_the_allocator_bounds_it(measured):
 
 def test_a_profile_without_retrieval_is_refused_when_bounded(measured):
     tiny_lm, profile = measured
-    profile = {**profile, "retrieval": None}
+    profile = replace(profile, retrieval=None)
     with pytest.raises(PaperbackError, match="no retrieval"):
         Allocator(profile, tiny_lm.model, Workload(10 ** 12, 400, 1)).allocate(retrieval_kl=1.0)
 
@@ -95,10 +97,10 @@ def test_a_finished_profile_from_before_gains_its_retrieval_part(measured, tmp_p
     from helpers import CharTokenizer
 
     tiny_lm, profile = measured
-    old = {k: v for k, v in profile.items() if k != "reused_from_cache"}
+    old = profile.to_dict()
     old["retrieval"] = None
     profiler = Profiler(tiny_lm.model, CharTokenizer(256), sample_text(), "sample", CONFIG, tmp_path, progress=False)
     profiler.complete_path.write_text(json.dumps(old))
     again = profiler.run()
-    assert again["retrieval"] == profile["retrieval"]
-    assert again["weights"] == profile["weights"] and again["kv"] == profile["kv"]
+    assert again.retrieval == profile.retrieval
+    assert again.weights == profile.weights and again.kv == profile.kv

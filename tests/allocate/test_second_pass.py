@@ -157,9 +157,11 @@ def test_the_shipped_pass_measures_each_candidate_as_quantized_and_keeps_that_mo
 
 def test_candidates_the_additivity_check_rules_out_are_not_measured():
     from paperback.allocate.candidates import Candidate, within_additivity
+    from paperback.allocate.profile_data import AdditivityCheck, Agreement, Assignment
 
     candidates = [Candidate("a", {}, 0.1), Candidate("b", {}, 0.15), Candidate("c", {}, 0.5)]
-    additivity = {"points": [{"predicted": 1.0, "measured": 0.8}, {"predicted": 1.0, "measured": 1.6}]}
+    additivity = AdditivityCheck(Agreement(2, 1.0, 1.0, 1.0, 1.2), {},
+                                 (Assignment("weights", 1.0, 0.8, {}, {}), Assignment("weights", 1.0, 1.6, {}, {})))
     # c at its most favourable ratio (0.8 x 0.5 = 0.4) still exceeds a at its least (1.6 x 0.1 = 0.16).
     assert [c.name for c in within_additivity(candidates, additivity)] == ["a", "b"]
     assert within_additivity(candidates, None) == candidates  # no check in the profile: all are measured
