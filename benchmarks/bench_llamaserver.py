@@ -43,6 +43,7 @@ from paperback.loading.tokenizer import tokenizer_from_dir
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 import llamacpp_tools  # noqa: E402
+from peak_rss import PeakRSS  # noqa: E402
 from bench_llamacpp import model_files, quantized_checkpoint  # noqa: E402
 from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
 
@@ -81,7 +82,8 @@ def free_port() -> int:
 
 
 class Server:
-    """A server process: started, awaited until /health answers, stopped with SIGTERM; its peak RSS by wait4."""
+    """A server process: started, awaited until /health answers, stopped with SIGTERM; its own peak RSS
+    (peak_rss.PeakRSS)."""
 
     def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None):
         self.argv, self.port, self.log, self.env = argv, port, log, env
@@ -93,6 +95,7 @@ class Server:
         self.log_file = open(self.log, "w")
         self.proc = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(self.env or {})})
+        self.rss = PeakRSS(self.proc.pid)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -111,9 +114,9 @@ class Server:
             self.proc.send_signal(signal.SIGTERM)
         try:
             _, _, usage = os.wait4(self.proc.pid, 0)
-            self.peak_rss_bytes = usage.ru_maxrss * 1024
-        except ChildProcessError:
-            pass
+        except ChildProcessError:  # already reaped (it exited before the end)
+            usage = None
+        self.peak_rss_bytes = self.rss.result(usage)
         self.log_file.close()
 
 

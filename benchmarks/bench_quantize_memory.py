@@ -4,8 +4,8 @@
         [--methods rtn] [--in-memory llama-3.2-1b] [--calib-samples 16] [--tag NAME]
 
 Each run is `paperback quantize` on a random-weight checkpoint with the model's exact shapes
-(paperback.bench.shapes: bf16 safetensors) in a fresh process, its own peak RSS read by wait4 (the
-process's high-water mark, not the parent's). RTN streams (one source tensor in fp32 at a time, the packed
+(paperback.bench.shapes: bf16 safetensors) in a fresh process, its own peak RSS (peers/peak_rss.py: the
+process's high-water mark, not the one it inherits from this one). RTN streams (one source tensor in fp32 at a time, the packed
 output kept); `--in-memory` models also run with the model loaded whole first, as GPTQ and AWQ need it and
 as RTN did before it streamed (paperback's loader, fp32), to show what streaming saves. GPTQ and AWQ run on
 --calib-samples sequences of 512 tokens and report seconds per billion parameters. Each streamed checkpoint
@@ -30,6 +30,8 @@ from paperback.loading import resolve_model
 from paperback.loading.tokenizer import cache_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "peers"))
+from peak_rss import PeakRSS  # noqa: E402
 from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
 
 # Loads the model whole, then quantizes it in memory: the path GPTQ and AWQ take, and RTN's before streaming.
@@ -47,12 +49,13 @@ def measured(argv: list[str]) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        rss = PeakRSS(proc.pid)
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - start
         if os.waitstatus_to_exitcode(status):
             log.seek(0)
             raise SystemExit(f"{' '.join(argv[:4])} failed:\n{log.read().decode(errors='replace')[-3000:]}")
-    return {"seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "peak_rss_bytes": rss.result(usage)}
 
 
 def main() -> int:

@@ -195,7 +195,7 @@ async def soak(server: Server, soak_state: Soak, clients: int, seconds: float) -
         pid, _, usage = os.wait4(server.proc.pid, os.WNOHANG)
         if pid:
             exited_s = time.monotonic() - sigterm_at
-            server.peak_rss_bytes = usage.ru_maxrss * 1024
+            server.peak_rss_bytes = server.rss.result(usage)
             server.proc.returncode = 0
             break
         await asyncio.sleep(0.2)

@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from peak_rss import PeakRSS
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / ".llamacpp-tools" / "bin"
 CRASHES = (-4, -11)  # SIGILL, SIGSEGV
@@ -36,10 +38,11 @@ def _measured(argv: list[str]) -> tuple[int, str, int]:
     """(exit status, stdout + stderr, the process's own peak RSS in bytes) of one run."""
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        rss = PeakRSS(proc.pid)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
-        return proc.returncode, out.read().decode(errors="replace"), usage.ru_maxrss * 1024
+        return proc.returncode, out.read().decode(errors="replace"), rss.result(usage)
 
 
 def _run(argv: list, what: str, repack_flag: str | None = None, with_rss: bool = False):
