@@ -152,6 +152,38 @@ def test_the_prefix_hit_figures_match_their_json():
             assert row in serving, row
 
 
+def test_the_1b_llamaserver_table_and_line_match_their_json():
+    result = json.loads((RESULTS / "llamaserver_llama-3.2-1b.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    for r in result["levels"]:
+        hits = f"{r['prefix_hit_rate']:.0%}" if r["prefix_hit_rate"] is not None else "-"
+        row = (f"| {r['clients']} | {r['engine']} | {r['output_tokens_per_s']:.1f} "
+               f"({r['throughput_vs_llamaserver']:.2f}x) | {r['requests_per_s']:.2f} | {r['ttft_p50_s']:.2f} | "
+               f"{r['ttft_p99_s']:.2f} | {1e3 * r['itl_p99_s']:.0f} | {r['failed']} | {hits} |")
+        assert row in serving, row
+    level = {(r["clients"], r["engine"]): r for r in result["levels"]}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"{level[16, 'paperback']['throughput_vs_llamaserver']:.2f}x at 16 clients (TTFT p99 "
+            f"{level[16, 'paperback']['ttft_p99_s']:.1f} s against {level[16, 'llama-server']['ttft_p99_s']:.1f} s) "
+            f"and {level[64, 'paperback']['throughput_vs_llamaserver']:.2f}x at 64") in readme
+
+
+def test_the_engine_prefix_hit_table_matches_its_json():
+    result = json.loads((RESULTS / "prefix_hits_smollm2.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    for r in result["runs"]:
+        hits = f"{r['prefix_hit_rate']:.0%}" if r["prefix_hit_rate"] is not None else "-"
+        row = (f"| {r['budget']:g}x ({r['kv_bytes'] / 2 ** 20:.0f} MiB) | {r['kv_cache_dtype']} | "
+               f"{'on' if r['prefix_caching'] else 'off'} | {r['max_num_seqs']} | {r['positions_computed']:,} | {hits} "
+               f"| {r['output_tokens_per_s']:.1f} ({r['gain_from_hits']:.2f}x) |")
+        assert row in serving, row
+    gains = [r["gain_from_hits"] for r in result["runs"] if r["prefix_caching"]]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"worth {min(gains):.2f}-{max(gains):.2f}x inside the engine" in readme
+
+
 def test_the_soak_table_matches_its_json():
     result = json.loads((RESULTS / "soak_int8.json").read_text())
     assert result["provenance"]["commit"] and result["minutes"] == 30 and result["clients"] == 64
