@@ -51,7 +51,7 @@ from paperback.quantization.awq import AWQConfig  # noqa: E402
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch  # noqa: E402
 from paperback.quantization.head_bands import MIN_BAND_BITS, split_band_key  # noqa: E402
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
-from results_io import RESULTS, warn_if_busy, write_results  # noqa: E402
+from results_io import RESULTS, read_results, warn_if_busy, write_results  # noqa: E402
 
 POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
@@ -122,9 +122,10 @@ def main() -> None:
     if args.head_band_min_bits != MIN_BAND_BITS:
         stem += f"_bands{args.head_band_min_bits}bit"
     out_name = f"{stem}.json"
-    previous = json.loads((RESULTS / out_name).read_text()) if (RESULTS / out_name).exists() else {}
+    previous = read_results(out_name)
     cells = {(c["budget"], c["policy"]): c for c in previous.get("cells", [])
              if not (args.fresh and c["policy"] in args.policies and c["budget"] in args.budgets)}
+    kept = bool(cells)  # cells of an earlier run this file goes on holding
 
     full = load_model(args.model, "fp32")
     profiles = {"paperback": ProfileConfig(args.method)}
@@ -204,7 +205,7 @@ def main() -> None:
                                      "profiles": {n: p.reused_from for n, p in profiles.items()},
                                      "head_bands": not args.no_head_bands,
                                      "head_band_min_bits": args.head_band_min_bits,
-                                     "cells": list(cells.values())})
+                                     "cells": list(cells.values())}, kept_from=previous if kept else None)
     rows = []
     for label in args.budgets:
         for name in POLICIES:

@@ -46,7 +46,7 @@ def run() -> int:
     parser.add_argument("--calib", nargs="+", default=[*CORPORA, GENERATED], choices=[*CORPORA, GENERATED],
                         help="calibration texts to run (rows of the others are kept from the last run)")
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = parse_scheme(args.scheme)
@@ -87,20 +87,21 @@ def run() -> int:
         rows.append(row)
         print(method, corpus, {n: round(row[n]["kl"], 4) for n in eval_sets}, flush=True)
     out = RESULTS / f"cross_domain_{args.model}.json"
+    earlier = None
     if out.is_file():  # rows of calibration texts not run this time, measured on the same windows and scheme
         previous = json.loads(out.read_text())
         if previous["scheme"] == scheme.to_dict() and previous["windows"] == args.windows:
             ran = {(r["method"], r["calibrated_on"]) for r in rows}
-            rows = rows + [r for r in previous["rows"] if (r["method"], r["calibrated_on"]) not in ran]
+            kept = [r for r in previous["rows"] if (r["method"], r["calibrated_on"]) not in ran]
+            rows, earlier = rows + kept, previous if kept else None
             order = {m: i for i, m in enumerate(["rtn", *args.methods])}
             rows.sort(key=lambda r: order.get(r["method"], len(order)))
     print_table(f"{args.model} {scheme.label}: perplexity (KL to the full model) by calibration corpus",
                 ["method", "calibrated on"] + list(eval_sets),
                 [[r["method"], r["calibrated_on"] or "-"]
                  + [f"{r[n]['perplexity']:.3f} ({r[n]['kl']:.4f})" for n in eval_sets] for r in rows])
-    out.write_text(json.dumps({"model": args.model, "scheme": scheme.to_dict(), "windows": args.windows,
-                               "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, {"model": args.model, "scheme": scheme.to_dict(), "windows": args.windows, "rows": rows},
+                  kept_from=earlier)
     return 0
 
 

@@ -125,11 +125,7 @@ def run() -> int:
                  for r in rows])
     payload = {"model": args.model, "source": source.name, "windows": args.windows, "context": args.context,
                "bar": BAR, "rows": rows}
-    if args.out:
-        args.out.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.out}")
-    else:
-        write_results(f"gguf_export_{args.model}.json", payload)
+    write_results(args.out or f"gguf_export_{args.model}.json", payload)
     return 0 if all(r["within_bar"] for r in rows) else 1
 
 

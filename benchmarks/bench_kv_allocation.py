@@ -38,7 +38,7 @@ from paperback.kv import QuantizedKVCache, build_policy  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
 from paperback.plan.arithmetic import kv_bytes  # noqa: E402
 from paperback.plan.shape import shape_from_config  # noqa: E402
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import read_results, warn_if_busy, write_results  # noqa: E402
 
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
@@ -70,9 +70,9 @@ def main() -> None:
     args = parser.parse_args()
     warn_if_busy()
     out_name = f"kv_allocation_{args.model}.json"
-    path = Path(__file__).parent / "results" / out_name
-    previous = {} if args.fresh or not path.exists() else json.loads(path.read_text())
+    previous = {} if args.fresh else read_results(out_name)
     cells = {c["name"]: c for c in previous.get("cells", []) if c["name"] not in args.redo}
+    kept = bool(cells)  # cells of an earlier run this file goes on holding
 
     lm = load_model(args.model, "fp32")
     model, config = lm.model, lm.config
@@ -119,7 +119,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in cell.items() if k not in ("spec", "needles")}), flush=True)
         write_results(out_name, {"model": args.model, "context": args.context, "windows": args.windows,
                                  "chunk": args.chunk, "needle_context": needle_context,
-                                 "profile_key": profile.reused_from, "cells": list(cells.values())})
+                                 "profile_key": profile.reused_from, "cells": list(cells.values())},
+                      kept_from=previous if kept else None)
 
     fp16 = cells["fp16"]["perplexity"]
     rows = [[name, f"{c['kv_bytes'] / 2 ** 20:.2f}", f"{c['bits_at_context']:.3f}", f"{c['perplexity']:.3f}",

@@ -68,14 +68,16 @@ class Bench:
         self.tokens = self.lm.tokenizer.encode(load_text("wikitext2"), add_special_tokens=False)
         self.bos = self.lm.tokenizer.bos_token_id if self.lm.tokenizer.adds_bos else None
         self.out = RESULTS / f"kv_{args.model}.json"
-        self.report = json.loads(self.out.read_text()) if self.out.exists() and not args.fresh else {}
+        self.earlier = json.loads(self.out.read_text()) if self.out.exists() and not args.fresh else {}
+        self.report = dict(self.earlier)  # parts this run does not measure stay, with their run's provenance
         self.report.update(model=args.model, chunk=args.chunk, threads=torch.get_num_threads())
         self.reference_cache: dict = {}
         self._amax = None
 
     def save(self):
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.report, indent=2))
+        from results_io import write_results
+
+        write_results(self.out, self.report, kept_from=self.earlier or None, announce=False)
 
     def factory(self, spec: str):
         fmt, _, skip = spec.partition("|skip=")
@@ -308,14 +310,14 @@ def run() -> int:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.part == ["plot"]:
         path = RESULTS / f"kv_{args.model}.json"
         report = json.loads(path.read_text())
         set_breakdown(report)
-        path.write_text(json.dumps(report, indent=2))
+        write_results(path, report, kept_from=report)  # re-derived, not re-measured
         for path in plot(report, args.model):
             print(f"wrote {path}")
         return 0

@@ -27,7 +27,7 @@ import json
 import sys
 import time
 
-from results_io import RESULTS, add_tag_arg, results_name, run_worker, warn_if_busy, write_results
+from results_io import add_tag_arg, read_results, results_name, run_worker, warn_if_busy, write_results
 
 
 def worker(args) -> dict:
@@ -203,8 +203,8 @@ def quality_worker(args) -> dict:
 
 def write_merged(name: str, payload: dict) -> None:
     """The JSON with these keys replaced and the other parts' kept (the quality part runs on its own)."""
-    previous = json.loads((RESULTS / name).read_text()) if (RESULTS / name).exists() else {}
-    write_results(name, {**previous, **payload})
+    previous = read_results(name)
+    write_results(name, {**previous, **payload}, kept_from=previous)
 
 
 def main() -> None:

@@ -135,6 +135,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs inside each process (median)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batches")
+    parser.add_argument("--prefill-matmul", choices=["fp32", "bf16"], default="fp32",
+                        help="paperback's prefill path (`paperback bench --prefill-matmul`): fp32 tiles (exact) or "
+                             "bf16 tiles, fast where the CPU has AMX or AVX-512 BF16 (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
                         help="then time a decode step's parts (paperback bench --profile) for the first paperback "
                              "row at the most threads")
@@ -151,7 +154,7 @@ def main() -> int:
     source, ggufs = model_files(args.model)
     cfg = BenchConfig(model=source, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       batches=tuple(args.batch), repeats=args.repeats, decode_activations="int8",
-                      kv_cache_dtype="fp16")
+                      prefill_matmul=args.prefill_matmul, kv_cache_dtype="fp16")
     checkpoints = {name: quantized_checkpoint(args.model, source, name)
                    for name in {rows[r].checkpoint for r in chosen if rows[r].engine == "paperback"}}
     bandwidth_at = {t: max(fresh_process_bandwidth(t) for _ in range(2)) for t in args.threads}

@@ -47,15 +47,16 @@ TOOL_ROWS = {"llm-compressor": "llm-compressor GPTQ", "gptq": "paperback GPTQ", 
              "rtn": "paperback RTN"}
 
 
-def _kept_rows(out: Path, scheme: QuantScheme, args, rerun: set[str]) -> tuple[list[dict], dict | None]:
-    """Rows of an earlier run with the same settings that this run does not redo, and its peer record."""
+def _kept_rows(out: Path, scheme: QuantScheme, args, rerun: set[str]) -> tuple[list[dict], dict | None, dict]:
+    """Rows of an earlier run with the same settings that this run does not redo, its peer record, and the
+    earlier file itself (whose provenance the kept rows carry)."""
     if not out.exists():
-        return [], None
+        return [], None, {}
     old = json.loads(out.read_text())
     if old.get("scheme") != scheme.to_dict() or old.get("windows") != args.windows:
-        return [], None
+        return [], None, {}
     kept = [r for r in old["rows"] if r["tool"] not in rerun and all(d in r for d in args.data)]
-    return kept, old.get("peer")
+    return kept, old.get("peer"), old
 
 
 def markdown(result: dict, data: list[str]) -> str:
@@ -82,7 +83,7 @@ def run() -> int:
                         help="rows to (re)run; the others are kept from the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     out = RESULTS / f"llmcompressor_{args.model}.json"
@@ -90,7 +91,7 @@ def run() -> int:
         print(markdown(json.loads(out.read_text()), args.data))
         return 0
     scheme = QuantScheme(args.bits, args.group_size or None, args.sym)
-    kept, peer = _kept_rows(out, scheme, args, {TOOL_ROWS[t] for t in args.tools})
+    kept, peer, earlier = _kept_rows(out, scheme, args, {TOOL_ROWS[t] for t in args.tools})
     if "llm-compressor" in args.tools and not PEER_PYTHON.exists():
         subprocess.run(["bash", str(ROOT / "benchmarks" / "peers" / "setup_peer.sh")], check=True)
     lm = load_model(args.model, "fp32")
@@ -136,9 +137,8 @@ def run() -> int:
                 ["tool", "quantize s"] + args.data,
                 [[r["tool"], f"{r['quantize_seconds']:.0f}"]
                  + [f"{r[d]['perplexity']:.3f} ({r[d]['kl']:.4f})" for d in args.data] for r in rows])
-    out.write_text(json.dumps({"model": args.model, "scheme": scheme.to_dict(), "calibration": calib_cfg.to_dict(),
-                               "windows": args.windows, "peer": peer, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, {"model": args.model, "scheme": scheme.to_dict(), "calibration": calib_cfg.to_dict(),
+                        "windows": args.windows, "peer": peer, "rows": rows}, kept_from=earlier if kept else None)
     return 0
 
 

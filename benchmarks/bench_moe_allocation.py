@@ -46,7 +46,7 @@ from paperback.quantization.calibration import CalibrationConfig, calibration_ba
 from paperback.quantization.scheme import QuantScheme
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, read_results, results_name, warn_if_busy, write_results  # noqa: E402
 
 SETTINGS = {
     "mixtral-e8k6": MoefyConfig(num_experts=8, experts_per_token=6),
@@ -518,8 +518,8 @@ def main() -> int:
     out_name = results_name({"moefy": "moefy_quality", "kv": "moe_kv", "additivity": "moe_additivity",
                              "speed": "moe_speed"}.get(
         args.part, "moe_allocation"), args.tag)
-    previous = Path(__file__).parent / "results" / out_name
-    results = json.loads(previous.read_text()) if previous.is_file() else {"models": {}}
+    earlier = read_results(out_name)
+    results = {"models": {}, **earlier}  # other models' and parts' entries stay, with their run's provenance
     results.update({  # what the part's numbers were measured on
         "kv": {"windows": args.windows, "window_choice": "the first windows of WikiText-2", "context": 512},
         "speed": {"batch": args.batch, "trials": args.trials},
@@ -548,7 +548,7 @@ def main() -> int:
         if args.part == "kv":
             entry["kv"] = kv_formats(CACHE / name, args.windows)
             entry["serve"] = serve_formats(CACHE / name)
-        write_results(out_name, results)
+        write_results(out_name, results, kept_from=earlier or None)
     warn_if_busy(args.threads)
     for name, entry in results["models"].items():
         if "quality" in entry:

@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from results_io import RESULTS, run_worker, warn_if_busy, write_results
+from results_io import RESULTS, read_results, run_worker, warn_if_busy, write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -226,9 +226,9 @@ def run() -> int:
         return row["model"], row["kv"], row["context"], row["users"]
 
     # Rows of other configurations in the JSON stay (a run of one model keeps the other's).
-    path = RESULTS / "plan_check.json"
+    earlier = read_results("plan_check.json")
     done = {key(r) for r in rows}
-    kept = [r for r in json.loads(path.read_text())["rows"] if key(r) not in done] if path.exists() else []
+    kept = [r for r in earlier.get("rows", []) if key(r) not in done]
 
     def ratio(a, b):
         return f"{a / b:.3f}" if b else "-"
@@ -243,7 +243,8 @@ def run() -> int:
                   f"{r['total_predicted'] / mib:.0f}", f"{r['peak_rss'] / mib:.0f}",
                   ratio(r["peak_rss"], r["total_predicted"])] for r in rows])
     write_results("plan_check.json", {"rows": sorted(kept + rows, key=lambda r: (
-        ["smollm2", "gemma3"].index(r["model"]) if r["model"] in ("smollm2", "gemma3") else 2, *key(r)))})
+        ["smollm2", "gemma3"].index(r["model"]) if r["model"] in ("smollm2", "gemma3") else 2, *key(r)))},
+        kept_from=earlier if kept else None)
     return 0
 
 

@@ -14,7 +14,6 @@ where the crossover lies. Writes benchmarks/results/qkernel.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ def run() -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "qkernel.json")
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     torch.manual_seed(0)
@@ -81,8 +80,7 @@ def run() -> int:
                 results.append({"shape": shape_name, "rows": rows, "format": name, "ms": seconds * 1e3,
                                 "speedup_vs_fp32": fp32 / seconds, "read_gb_s": nbytes / seconds / 1e9})
     meta = {"simd": kernel_simd(), "threads": torch.get_num_threads(), "gemv_max_rows": GEMV_MAX_ROWS}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    write_results(args.output, {"meta": meta, "results": results}, announce=False)
     print_table(f"Packed kernel ({meta['simd']}, {meta['threads']} threads; rows > {GEMV_MAX_ROWS} dequantize + BLAS)",
                 ["layer", "rows", "format", "ms", "x fp32", "GB/s"],
                 [[r["shape"], r["rows"], r["format"], f"{r['ms']:.3f}", f"{r['speedup_vs_fp32']:.2f}",

@@ -79,7 +79,7 @@ def run() -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the tables in the JSON files as Markdown (for the README) and exit")
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.markdown:
@@ -91,7 +91,8 @@ def run() -> int:
     schemes = {label: parse_scheme(label) for label in args.schemes}
     for model_name in args.models:
         out = RESULTS / f"quality_{model_name}.json"
-        report = json.loads(out.read_text()) if out.exists() and not args.fresh else {"cells": []}
+        earlier = json.loads(out.read_text()) if out.exists() and not args.fresh else {}
+        report = {"cells": [], **earlier}  # cells measured before stay, with their run's provenance
         done = {(c["method"], c["scheme"], c.get("targets", "blocks")) for c in report["cells"]}
         lm = load_model(model_name, "fp32")
         reference = lm.model
@@ -126,8 +127,7 @@ def run() -> int:
                     cell[name] = {"perplexity": r.perplexity, "reference_perplexity": r.reference_perplexity,
                                   "kl": r.kl_divergence, "top1": r.top1_agreement}
                 report["cells"].append(cell)
-                RESULTS.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(report, indent=2))
+                write_results(out, report, kept_from=earlier if earlier.get("cells") else None, announce=False)
                 print(f"{model_name} {method} {label}: " + ", ".join(
                     f"{n} ppl {cell[n]['perplexity']:.3f} kl {cell[n]['kl']:.4f}" for n in texts), flush=True)
                 del model

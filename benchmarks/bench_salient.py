@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -68,7 +67,7 @@ def run() -> int:
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = QuantScheme(args.bits, args.group_size)
@@ -104,10 +103,9 @@ def run() -> int:
                  f"{n} {rows[0][n]['reference_perplexity']:.3f}" for n in texts))
     print_table(title, ["channels kept by"] + list(texts),
                 [[r["rule"]] + [f"{r[n]['perplexity']:.3f} ({r[n]['kl']:.4f})" for n in texts] for r in rows])
-    out = RESULTS / f"salient_{args.model}.json"
-    out.write_text(json.dumps({"model": args.model, "scheme": scheme.to_dict(), "fraction": args.fraction,
-                               "windows": args.windows, "calibration": calib_cfg.to_dict(), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results(f"salient_{args.model}.json", {
+        "model": args.model, "scheme": scheme.to_dict(), "fraction": args.fraction, "windows": args.windows,
+        "calibration": calib_cfg.to_dict(), "rows": rows})
     return 0
 
 

@@ -41,7 +41,7 @@ import time
 import torch
 
 from paperback.memory import dense_kv_bytes_per_token
-from results_io import RESULTS, add_tag_arg, results_name, run_worker, warn_if_busy, write_results
+from results_io import add_tag_arg, read_results, results_name, run_worker, warn_if_busy, write_results
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
 
@@ -467,16 +467,16 @@ def run() -> int:
         report["capacity"] = capacity(args)
     # Parts run separately merge into one file (a rerun of a part replaces it).
     name = results_name(f"serving_{args.model}", args.tag)
-    path = RESULTS / name
-    previous = json.loads(path.read_text()) if path.exists() else {}
+    previous = read_results(name)
     if "throughput" in args.part:
         config = lm.model.config
         del lm
         same = previous.get("workload") == report["workload"] and previous.get("kv_memory_mib") == args.kv_memory_mib
         report["throughput"] = throughput(args, work, config, previous.get("throughput") if same else None)
+    kept = {**previous, **report} != report  # parts this run did not measure
     report = {**previous, **report}
     print_tables(report, args.model)
-    write_results(name, report)
+    write_results(name, report, kept_from=previous if kept else None)
     return 0
 
 

@@ -58,7 +58,7 @@ def run() -> int:
     parser.add_argument("--trials", type=int, default=3, help="fresh-process runs per configuration")
     parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args()
-    from results_io import warn_if_busy
+    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     output = args.output or RESULTS / f"weight_speed_{args.model}.json"
@@ -96,9 +96,7 @@ def run() -> int:
         columns += [f"decode b{b} tok/s", f"roofline b{b}"]
     columns.append("peak RSS MiB")
     print_table(f"{args.model}: speed by weight format (ratios to fp32 in the same run)", columns, table)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"model": args.model, "rows": rows, "runs": runs}, indent=2))
-    print(f"wrote {output}")
+    write_results(output, {"model": args.model, "rows": rows, "runs": runs})
     return 0
 
 

@@ -10,17 +10,40 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def write_results(filename: str, payload: dict) -> Path:
+# What a result file kept from before provenance was recorded says about its measurement.
+UNRECORDED = {"commit": "unrecorded", "note": "measured before results recorded their provenance"}
+
+
+def write_results(filename: str | Path, payload: dict, kept_from: dict | None = None, announce: bool = True) -> Path:
     """Write payload as indented JSON under benchmarks/results/ and say where; every result records what it ran
-    on (`provenance`: command, commit, CPU, threads, kernel path, date), added here where the script did not."""
+    on (`provenance`: command, commit, CPU, threads, kernel path, date), added here where the script did not.
+    A Path is written where it points (a script's --output); a name, under benchmarks/results/.
+
+    kept_from: the earlier file's payload, for a run that keeps some of its parts (cells not re-measured, parts
+    not run): this run becomes the file's `provenance`, and the runs the kept parts came from are listed under
+    `earlier_runs` (an old file without provenance as UNRECORDED), so no figure is credited to a run that did
+    not measure it.
+    """
+    if kept_from:
+        earlier = [*kept_from.get("earlier_runs", []), kept_from.get("provenance", UNRECORDED)]
+        payload = {k: v for k, v in payload.items() if k not in ("provenance", "earlier_runs")}
+        payload["earlier_runs"] = [run for i, run in enumerate(earlier) if run not in earlier[:i]]
     if "provenance" not in payload:
         threads = payload.get("threads")
         payload = {"provenance": provenance(threads if isinstance(threads, int) else None), **payload}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / filename
+    out = filename if isinstance(filename, Path) else RESULTS / filename
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {out}")
+    if announce:
+        print(f"wrote {out}")
     return out
+
+
+def read_results(filename: str) -> dict:
+    """The payload of an earlier result file under benchmarks/results/ ({} when there is none): what a run that
+    extends it passes back to write_results as `kept_from`."""
+    path = RESULTS / filename
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def add_tag_arg(parser) -> None:

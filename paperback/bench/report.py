@@ -63,9 +63,10 @@ def run_bench(cfg: BenchConfig, peers: tuple[str, ...] = ("transformers",),
         roof = DecodeRoofline(batch, facts["decode_context"], weights,
                               facts["kv_bytes_read_per_step"], bandwidth)
         rooflines[str(batch)] = roof.to_dict()
-    from paperback.system import cpu_facts, kernel_summary
+    from paperback.system import cpu_facts, kernel_summary, provenance
 
-    return {"config": cfg.to_dict(), "engines": results, "bandwidth_bytes_per_s": bandwidth,
+    return {"provenance": provenance(results["paperback"]["threads"]),
+            "config": cfg.to_dict(), "engines": results, "bandwidth_bytes_per_s": bandwidth,
             "roofline": rooflines, "cpu": cpu_facts(), "kernels": kernel_summary()}
 
 
