@@ -11,7 +11,7 @@ as RTN did before it streamed (paperback's loader, fp32), to show what streaming
 --calib-samples sequences of 512 tokens and report seconds per billion parameters. Each streamed checkpoint
 then runs: `paperback generate` of --generate-tokens after a short prompt, in a fresh process, whose peak RSS
 is set beside the checkpoint's bytes (a W4 model runs from its packed bytes, never an fp32 copy). Writes
-benchmarks/results/quantize_memory[_<tag>].json.
+benchmarks/results/quantize_memory[_<tag>].json; rows of that file that this run does not redo are kept.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from paperback.loading.tokenizer import cache_dir
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 from peak_rss import PeakRSS  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, read_results, results_name, warn_if_busy, write_results  # noqa: E402
 
 # Loads the model whole, then quantizes it in memory: the path GPTQ and AWQ take, and RTN's before streaming.
 IN_MEMORY = ("import sys; from paperback.loading import load_model; from paperback.quantization.model_pass import "
@@ -98,7 +98,7 @@ def main() -> int:
                                     "--max-tokens", str(args.generate_tokens), "--ignore-eos", "--json"])
                     rows[-1]["generate"] = {**run, "tokens": args.generate_tokens}
                 print(rows[-1], flush=True)
-    warn_if_busy(1)
+    warn_if_busy(os.cpu_count())  # each run uses every core
     print_table("paperback quantize (W4a-g128, W8 head) at real shapes: peak RSS and time",
                 ["model", "method", "how", "peak RSS GiB", "output GiB", "fp32 model GiB", "seconds", "s / B params",
                  "generate: peak RSS GiB"],
@@ -106,7 +106,12 @@ def main() -> int:
                   f"{r['output_bytes'] / 2 ** 30:.2f}", f"{r['fp32_model_bytes'] / 2 ** 30:.1f}",
                   f"{r['seconds']:.0f}", f"{r['seconds_per_billion_parameters']:.0f}",
                   f"{r['generate']['peak_rss_bytes'] / 2 ** 30:.2f}" if "generate" in r else "-"] for r in rows])
-    write_results(results_name("quantize_memory", args.tag), {"rows": rows, "threads": os.cpu_count()})
+    # rows of the same file not re-run this time stay (with their run's provenance under earlier_runs)
+    name = results_name("quantize_memory", args.tag)
+    earlier = read_results(name)
+    ran = {(r["model"], r["method"], r["how"]) for r in rows}
+    kept = [r for r in earlier.get("rows", []) if (r["model"], r["method"], r["how"]) not in ran]
+    write_results(name, {"rows": kept + rows, "threads": os.cpu_count()}, kept_from=earlier if kept else None)
     return 0
 
 

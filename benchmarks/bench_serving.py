@@ -473,7 +473,9 @@ def run() -> int:
         del lm
         same = previous.get("workload") == report["workload"] and previous.get("kv_memory_mib") == args.kv_memory_mib
         report["throughput"] = throughput(args, work, config, previous.get("throughput") if same else None)
-    kept = {**previous, **report} != report  # parts this run did not measure
+    ran = {TOOL_NAMES[t] for t in args.tools}
+    kept = (any(k not in report for k in previous if k not in ("provenance", "earlier_runs"))  # parts not run
+            or any(r["tool"] not in ran for r in report.get("throughput", {}).get("rows", [])))  # rows kept
     report = {**previous, **report}
     print_tables(report, args.model)
     write_results(name, report, kept_from=previous if kept else None)

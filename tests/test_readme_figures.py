@@ -11,6 +11,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def measured(filename: str) -> dict:
+    """A results JSON, checked to record the commit and CPU it was measured on."""
+    result = json.loads((RESULTS / filename).read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["cpu"], filename
+    return result
+
+
+def flat(relative: str) -> str:
+    """A page's text with every run of whitespace made one space (a sentence may wrap anywhere)."""
+    return " ".join((ROOT / relative).read_text().split())
+
+
 def readme_table(title_start: str) -> list[list[str]]:
     """The rows (cells stripped of bold) of the README table whose header row starts with `title_start`."""
     lines = (ROOT / "README.md").read_text().splitlines()
@@ -48,10 +60,9 @@ def test_the_allocation_tables_match_their_json(model, title):
 
 
 def test_the_gguf_table_matches_its_json():
-    result = json.loads((RESULTS / "gguf_recipes.json").read_text())
+    result = measured("gguf_recipes.json")
     kld = {(r["recipe"], r["tool"], r["text"]): r["kld"] for r in result["rows"] if r["model"] == "smollm2"}
     speed = {(s["recipe"], s["tool"]): s for s in result["speed"] if s["model"] == "smollm2"}
-    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
     for row in readme_table("SmolLM2, size of"):
         recipe = row[0].split()[0]
         for cell, tool in zip(row[1:4], ("llama.cpp", "llama.cpp + imatrix", "paperback fit (rtn)")):
@@ -81,8 +92,7 @@ def test_the_llamacpp_table_matches_its_json():
         return (float(found.group(1)), float(found.group(2)) if found.group(2) else None) if found else (None, None)
 
     for cells, (model, name) in zip(cells_by_row, LLAMACPP_ROWS):
-        result = json.loads((RESULTS / f"llamacpp_{model}.json").read_text())
-        assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+        result = measured(f"llamacpp_{model}.json")
         row = next(r for r in result["rows"] if r["threads"] == 2 and r["row"] == name)
         assert int(cells[1]) == round(row["weight_MiB"]), name
         for cell, key, ratio in ((cells[2], "prefill_tokens_per_s", "prefill_vs"),
@@ -94,6 +104,21 @@ def test_the_llamacpp_table_matches_its_json():
         assert cells[4] == f"{round(100 * row['roofline_fraction'])}%", name
 
 
+def test_the_amx_llamacpp_line_matches_its_json():
+    result = measured("llamacpp_llama-3.2-1b_amx.json")
+    assert result["provenance"]["kernels"]["simd"] == "amx" and result["config"]["prefill_matmul"] == "bf16"
+    assert "AMX off" in result["llamacpp_built_for"]
+    rows = [r for r in result["rows"] if r["threads"] == 2]
+    ours = [r for r in rows if r["vs"]]
+    prefill = sorted(round(r["prefill_vs"], 2) for r in ours)
+    decode = sorted(round(r["decode_vs"], 2) for r in ours)
+    best_scaling = max(round(r["batch8_scaling"], 1) for r in ours)
+    theirs = sorted(round(r["batch8_scaling"], 1) for r in rows if not r["vs"])
+    line = flat("README.md")
+    assert (f"prefills {prefill[0]:.2f}-{prefill[-1]:.2f}x llama.cpp's, decode runs {decode[0]:.2f}-{decode[-1]:.2f}x "
+            f"and batch 8 reaches {best_scaling:.1f}x batch 1 (llama.cpp {theirs[0]:.1f}-{theirs[-1]:.1f}x)") in line
+
+
 def test_the_serving_ratios_match_their_json():
     throughput = json.loads((RESULTS / "serving_smollm2.json").read_text())["throughput"]
     readme = (ROOT / "README.md").read_text()
@@ -102,8 +127,7 @@ def test_the_serving_ratios_match_their_json():
 
 
 def test_the_demo_table_matches_its_json():
-    demo = json.loads((RESULTS / "demo_smollm2.json").read_text())
-    assert demo["provenance"]["commit"] and demo["provenance"]["cpu"]
+    demo = measured("demo_smollm2.json")
     rows = {cells[0]: cells[1:] for cells in readme_table("SmolLM2-135M, 8 users x 8,192 tokens")}
 
     def mib(n: float) -> str:
@@ -124,10 +148,9 @@ def test_the_demo_table_matches_its_json():
 
 
 def test_the_llamaserver_line_matches_its_json():
-    result = json.loads((RESULTS / "llamaserver_smollm2.json").read_text())
-    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    result = measured("llamaserver_smollm2.json")
     level = {(r["clients"], r["engine"]): r for r in result["levels"]}
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = flat("README.md")
     paperback = {c: level[c, "paperback"] for c in (1, 16, 64)}
     assert f"{paperback[16]['throughput_vs_llamaserver']:.2f}x its output tokens/s at 16 clients" in readme
     assert (f"({paperback[16]['ttft_p99_s']:.1f} s against {level[16, 'llama-server']['ttft_p99_s']:.1f} s), "
@@ -136,14 +159,13 @@ def test_the_llamaserver_line_matches_its_json():
 
 
 def test_the_prefix_hit_figures_match_their_json():
-    result = json.loads((RESULTS / "llamaserver_smollm2_prefix.json").read_text())
-    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
+    result = measured("llamaserver_smollm2_prefix.json")
     hits = [r["prefix_hit_rate"] for r in result["levels"] if r["engine"] == "paperback" and r["prefix_caching"]]
     assert {r["kv_cache_dtype"] for r in result["levels"] if r["prefix_caching"]} == {"fp16", "int8", "kivi4"}
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = flat("README.md")
     share = f"{min(hits):.0%}" if f"{min(hits):.0%}" == f"{max(hits):.0%}" else f"{min(hits):.0%}-{max(hits):.0%}"
     assert f"({share.replace('%-', '-')} of prompt tokens in fp16, int8 and KIVI-4" in readme
-    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    serving = flat("docs/serving.md")
     for r in result["levels"]:
         if r["engine"] == "paperback":
             cache = "on" if r["prefix_caching"] else "off"
@@ -153,9 +175,8 @@ def test_the_prefix_hit_figures_match_their_json():
 
 
 def test_the_1b_llamaserver_table_and_line_match_their_json():
-    result = json.loads((RESULTS / "llamaserver_llama-3.2-1b.json").read_text())
-    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
-    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    result = measured("llamaserver_llama-3.2-1b.json")
+    serving = flat("docs/serving.md")
     for r in result["levels"]:
         hits = f"{r['prefix_hit_rate']:.0%}" if r["prefix_hit_rate"] is not None else "-"
         row = (f"| {r['clients']} | {r['engine']} | {r['output_tokens_per_s']:.1f} "
@@ -163,16 +184,15 @@ def test_the_1b_llamaserver_table_and_line_match_their_json():
                f"{r['ttft_p99_s']:.2f} | {1e3 * r['itl_p99_s']:.0f} | {r['failed']} | {hits} |")
         assert row in serving, row
     level = {(r["clients"], r["engine"]): r for r in result["levels"]}
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = flat("README.md")
     assert (f"{level[16, 'paperback']['throughput_vs_llamaserver']:.2f}x at 16 clients (TTFT p99 "
             f"{level[16, 'paperback']['ttft_p99_s']:.1f} s against {level[16, 'llama-server']['ttft_p99_s']:.1f} s) "
             f"and {level[64, 'paperback']['throughput_vs_llamaserver']:.2f}x at 64") in readme
 
 
 def test_the_engine_prefix_hit_table_matches_its_json():
-    result = json.loads((RESULTS / "prefix_hits_smollm2.json").read_text())
-    assert result["provenance"]["commit"] and result["provenance"]["cpu"]
-    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    result = measured("prefix_hits_smollm2.json")
+    serving = flat("docs/serving.md")
     for r in result["runs"]:
         hits = f"{r['prefix_hit_rate']:.0%}" if r["prefix_hit_rate"] is not None else "-"
         row = (f"| {r['budget']:g}x ({r['kv_bytes'] / 2 ** 20:.0f} MiB) | {r['kv_cache_dtype']} | "
@@ -180,15 +200,15 @@ def test_the_engine_prefix_hit_table_matches_its_json():
                f"| {r['output_tokens_per_s']:.1f} ({r['gain_from_hits']:.2f}x) |")
         assert row in serving, row
     gains = [r["gain_from_hits"] for r in result["runs"] if r["prefix_caching"]]
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = flat("README.md")
     assert f"worth {min(gains):.2f}-{max(gains):.2f}x inside the engine" in readme
 
 
 def test_the_soak_table_matches_its_json():
-    result = json.loads((RESULTS / "soak_int8.json").read_text())
-    assert result["provenance"]["commit"] and result["minutes"] == 30 and result["clients"] == 64
+    result = measured("soak_int8.json")
+    assert result["minutes"] == 30 and result["clients"] == 64
     assert all(c["passed"] for c in result["checks"])
-    serving = " ".join((ROOT / "docs" / "serving.md").read_text().split())
+    serving = flat("docs/serving.md")
     rss = next(c for c in result["checks"] if c["check"].startswith("peak RSS"))
     assert f"| {rss['measured']} | yes |" in serving
     assert f"| 0 of {result['requests']:,} requests | yes |" in serving

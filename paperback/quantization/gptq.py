@@ -61,26 +61,45 @@ class HessianAccumulator:
             self.H += (2.0 / self.rows) * (x.T @ x)
 
 
-def _prepared(weight: torch.Tensor, H: torch.Tensor, config: GPTQConfig):
-    """(W, perm, Hinv): the weight in visiting order (fp64, dead inputs zeroed), the order, and the upper
-    Cholesky factor of the dampened inverse Hessian in that order."""
+# Rows are independent under GPTQ: a row's error feedback reads only its own columns and the inverse Hessian all
+# rows share. So a tall matrix (a tied 128k-row head) runs in slabs of this many rows, holding a slab's fp64
+# working copies rather than several of the whole matrix (the head of a Llama-3.2-1B shape: 2.1 GB each).
+SLAB_ROWS = 4096
+
+
+def _inverse_hessian(weight: torch.Tensor, H: torch.Tensor, config: GPTQConfig):
+    """(perm, Hinv, dead): the visiting order, the upper Cholesky factor of the dampened inverse Hessian in that
+    order, and the inputs never active (their weights cannot matter; zeroed)."""
     check_weight(weight)
     in_features = weight.shape[1]
     if H.shape != (in_features, in_features):
         raise PaperbackError(f"Hessian shape {tuple(H.shape)} does not match in_features {in_features}")
-    W = weight.double().clone()
     H = H.double().clone()
-    dead = torch.diag(H) == 0  # inputs never active: their weights cannot matter
+    dead = torch.diag(H) == 0
     H[dead, dead] = 1
-    W[:, dead] = 0
     perm = torch.argsort(torch.diag(H), descending=True) if config.act_order else torch.arange(in_features)
-    W, H = W[:, perm], H[perm][:, perm]
+    H = H[perm][:, perm]
     H += config.damp * torch.mean(torch.diag(H)) * torch.eye(in_features, dtype=H.dtype)
     try:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     except torch.linalg.LinAlgError:
         raise PaperbackError("GPTQ: the Hessian is not positive definite; raise damp or add calibration data") from None
-    return W, perm, Hinv
+    return perm, Hinv, dead
+
+
+def _gptq_rows(weight: torch.Tensor, H: torch.Tensor, config: GPTQConfig, column_rounder) -> torch.Tensor:
+    """uint8 codes (out, in) of `weight`, slab by slab of rows. column_rounder(r0, r1, unpermuted) gives the
+    round_column of `_gptq_columns` for rows r0:r1, from their fp64 values in natural order (dead inputs
+    zeroed)."""
+    perm, Hinv, dead = _inverse_hessian(weight, H, config)
+    codes = torch.empty(weight.shape, dtype=torch.uint8)
+    for r0 in range(0, weight.shape[0], SLAB_ROWS):
+        r1 = min(r0 + SLAB_ROWS, weight.shape[0])
+        unpermuted = weight[r0:r1].double()
+        unpermuted[:, dead] = 0
+        codes[r0:r1] = _gptq_columns(unpermuted[:, perm], perm, Hinv, config.block_size,
+                                     column_rounder(r0, r1, unpermuted)).to(torch.uint8)
+    return codes
 
 
 def _gptq_columns(W: torch.Tensor, perm: torch.Tensor, Hinv: torch.Tensor, block_size: int, round_column):
@@ -116,7 +135,6 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme, config: GPTQCon
             return quantize_gguf(weight, scheme)
         return gptq_on_grid(weight, H, search_grid(weight.detach().float(), scheme, torch.diag(H)), config)
     out_features, in_features = weight.shape
-    W, perm, Hinv = _prepared(weight, H, config)
     # Group parameters: static (from the unmodified weight, natural order) or on the fly.
     bounds = scheme.group_bounds(in_features)
     group_of = torch.empty(in_features, dtype=torch.long)
@@ -125,23 +143,27 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, scheme, config: GPTQCon
     scales = torch.empty(out_features, len(bounds), dtype=torch.float32)
     zeros = torch.empty_like(scales)
     static = config.act_order or scheme.group_size is None
-    if static:
-        unpermuted = torch.empty_like(W)
-        unpermuted[:, perm] = W
-        for g, (lo, hi) in enumerate(bounds):
-            scales[:, g], zeros[:, g] = group_params(unpermuted[:, lo:hi], scheme)
 
-    def round_column(col, w, remaining):
-        g = int(group_of[col])
-        if not static and col == bounds[g][0]:
-            # First column of a group: its parameters come from the already-updated weights.
-            lo, hi = bounds[g]
-            scales[:, g], zeros[:, g] = group_params(remaining()[:, : hi - lo], scheme)
-        q = quantize_codes(w[:, None], scales[:, g].double(), zeros[:, g].double(), scheme.max_code)[:, 0]
-        return q, (q - zeros[:, g].double()) * scales[:, g].double()
+    def column_rounder(r0, r1, unpermuted):
+        slab_scales, slab_zeros = scales[r0:r1], zeros[r0:r1]  # views: what is set here lands in the whole
+        if static:
+            for g, (lo, hi) in enumerate(bounds):
+                slab_scales[:, g], slab_zeros[:, g] = group_params(unpermuted[:, lo:hi], scheme)
 
-    codes = _gptq_columns(W, perm, Hinv, config.block_size, round_column)
-    return QuantizedWeight(codes.to(torch.uint8), scales, zeros, QuantScheme(**scheme.to_dict()), "gptq")
+        def round_column(col, w, remaining):
+            g = int(group_of[col])
+            if not static and col == bounds[g][0]:
+                # First column of a group: its parameters come from the already-updated weights.
+                lo, hi = bounds[g]
+                slab_scales[:, g], slab_zeros[:, g] = group_params(remaining()[:, : hi - lo], scheme)
+            scale, zero = slab_scales[:, g].double(), slab_zeros[:, g].double()
+            q = quantize_codes(w[:, None], scale, zero, scheme.max_code)[:, 0]
+            return q, (q - zero) * scale
+
+        return round_column
+
+    codes = _gptq_rows(weight, H, config, column_rounder)
+    return QuantizedWeight(codes, scales, zeros, QuantScheme(**scheme.to_dict()), "gptq")
 
 
 def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig = GPTQConfig()):
@@ -150,14 +172,18 @@ def gptq_on_grid(weight: torch.Tensor, H: torch.Tensor, grid, config: GPTQConfig
     feedback. Returns the grid with codes, method "gptq"."""
     a, c = grid.grid()
     sub, zero = grid.kind.sub_block, grid.kind.zero
-    W, perm, Hinv = _prepared(weight, H, config)
 
-    def round_column(col, w, remaining):
-        a_col = a[:, col // sub].double()
-        c_col = c[:, col // sub].double() if c is not None else None
-        q = nearest_codes(w, a_col, c_col, grid.kind)
-        return q, (a_col * (q - zero) if c_col is None else a_col * q - c_col)
+    def column_rounder(r0, r1, unpermuted):
+        a_slab, c_slab = a[r0:r1], (c[r0:r1] if c is not None else None)
 
-    grid.codes = _gptq_columns(W, perm, Hinv, config.block_size, round_column).to(torch.uint8)
+        def round_column(col, w, remaining):
+            a_col = a_slab[:, col // sub].double()
+            c_col = c_slab[:, col // sub].double() if c_slab is not None else None
+            q = nearest_codes(w, a_col, c_col, grid.kind)
+            return q, (a_col * (q - zero) if c_col is None else a_col * q - c_col)
+
+        return round_column
+
+    grid.codes = _gptq_rows(weight, H, config, column_rounder)
     grid.method = "gptq"
     return grid

@@ -76,3 +76,26 @@ def test_bad_arguments():
         GPTQConfig(damp=0)
     with pytest.raises(PaperbackError, match="Hessian shape"):
         gptq_quantize(torch.randn(4, 8), torch.eye(7), QuantScheme(4, None))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 32), QuantScheme(3, None, True), "Q4_0", "Q4_1"])
+def test_a_tall_matrix_runs_in_slabs_of_rows_with_the_codes_of_one_pass(monkeypatch, scheme, act_order):
+    """Rows are independent under GPTQ, so slabs of rows (which bound a 128k-row head's working memory) give the
+    codes and scales the whole matrix gives in one pass."""
+    import paperback.quantization.gptq as gptq
+    from paperback.quantization.gguf_types import GGUF_TYPES
+
+    gguf = isinstance(scheme, str)
+    scheme = GGUF_TYPES[scheme] if gguf else scheme  # GGUF: GPTQ onto its searched grid
+    x = correlated_inputs(features=64)
+    w = torch.randn(50, 64) * 0.05
+    config = GPTQConfig(act_order=act_order, block_size=16)
+    whole = gptq_quantize(w, hessian(x), scheme, config)
+    monkeypatch.setattr(gptq, "SLAB_ROWS", 16)  # four slabs, the last one short
+    slabs = gptq_quantize(w, hessian(x), scheme, config)
+    assert torch.equal(whole.codes, slabs.codes)
+    if gguf:
+        assert all(torch.equal(a, b) for a, b in zip(whole.grid(), slabs.grid()) if a is not None)
+    else:
+        assert torch.equal(whole.scales, slabs.scales) and torch.equal(whole.zeros, slabs.zeros)
