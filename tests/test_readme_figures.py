@@ -120,8 +120,8 @@ def test_the_amx_llamacpp_line_matches_its_json():
 
 
 def test_the_serving_ratios_match_their_json():
-    throughput = json.loads((RESULTS / "serving_smollm2.json").read_text())["throughput"]
-    readme = (ROOT / "README.md").read_text()
+    throughput = measured("serving_smollm2.json")["throughput"]
+    readme = flat("README.md")
     assert f"{throughput['speedup']:.2f}x transformers' output tokens/s" in readme
     assert f"and {throughput['user_speedup']:.2f}x with the W4 checkpoint" in readme
 
@@ -215,3 +215,44 @@ def test_the_soak_table_matches_its_json():
     first, last = result["latency_p99_s"]["first"], result["latency_p99_s"]["last"]
     assert f"{first['latency_s']:.1f} -> {last['latency_s']:.1f} s" in serving
     assert f"{result['shutdown']['exited_s']:.0f} s (it finishes" in serving
+
+
+def test_the_real_size_quantize_and_amx_tables_match_their_json():
+    page = flat("docs/real-sizes.md")
+    labels = {("rtn", "streamed"): "rtn, streamed", ("rtn", "in memory"): "rtn, the model loaded whole",
+              ("gptq", "in memory"): "gptq (loads the model whole)", ("awq", "in memory"): "awq (loads the model whole)"}
+    methods = measured("quantize_memory_methods.json")
+    for r in methods["rows"]:
+        row = (f"| {labels[r['method'], r['how']]} | {r['peak_rss_bytes'] / 2 ** 30:.2f} | {r['seconds']:.0f} | "
+               f"{r['seconds_per_billion_parameters']:.0f} |")
+        assert row in page, row
+    assert methods["earlier_runs"] and "15.10 GiB in 458 s" in page  # the first GPTQ run, named by its commit
+
+    def ratio(r, key):
+        return f" ({r[key]:.2f}x)" if r.get(key) else ""
+
+    for r in measured("llamacpp_llama-3.2-1b_amx.json")["rows"]:
+        row = (f"| {r['threads']} | {r['row']} | {round(r['weight_MiB'])} | {r['prefill_tokens_per_s']:.1f}"
+               f"{ratio(r, 'prefill_vs')} | {r['decode_tokens_per_s']:.1f}{ratio(r, 'decode_vs')} | "
+               f"{round(100 * r['roofline_fraction'])}% | {r['batch8_tokens_per_s']:.1f}{ratio(r, 'batch8_vs')} | "
+               f"{r['batch8_scaling']:.1f} | {round(r['peak_rss_MiB'])} |")
+        assert row in page, row
+
+
+def test_the_serving_rerun_table_matches_its_json():
+    result = measured("serving_smollm2.json")
+    assert result["earlier_runs"]  # the sharing and capacity parts were not rerun with the throughput
+    page = flat("docs/serving.md")
+    rows = {r["tool"]: r for r in result["throughput"]["rows"]}
+    for label, tool in (("paperback paged, fp32 (", "paperback paged"),
+                        ("transformers static batches, fp32", "transformers static batches"),
+                        ("paperback paged, W4 + KIVI-2, bf16 tiles", "paperback paged, W4 checkpoint + quantized KV")):
+        r = rows[tool]
+        cells = (f"| {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.0f} | "
+                 f"{r['ttft_p99_s']:.0f} | {100 * r['kv_utilization']:.1f}% | {r['positions_computed']:,} | "
+                 f"{r['positions_computed'] / r['seconds']:.0f} | {r['linear_seconds']:.0f} of {r['seconds']:.0f} |")
+        assert any(label in line and cells in line for line in page.split("| paperback")
+                   + page.split("| transformers")), tool
+    t = result["throughput"]
+    assert (f"Same weights and cache (fp32 against fp32): {t['speedup']:.2f}x transformers; what a user runs "
+            f"(W4 + KIVI-2): {t['user_speedup']:.2f}x.") in page
