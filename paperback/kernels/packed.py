@@ -35,7 +35,8 @@ GEMV_MAX_ROWS = 16
 # Decode steps of more rows than GEMV_MAX_ROWS (a batch of many sequences) still take the packed kernel with int8
 # activations, sixteen rows a call, up to this many rows by code path: each call's AMX panels (or VNNI tiles) beat
 # dequantizing the whole matrix for one GEMM there (benchmarks/bench_int8_chunked.py: a step's linears at 17-64 rows
-# 1.4-3.0x faster with AMX, level at 96; with VNNI alone 1.2-2.1x to 32). Other paths dequantize above GEMV_MAX_ROWS.
+# 1.3-2.9x faster with AMX, 1.2x at 96; with VNNI alone 1.4-2.0x to 32, level at 64). Other paths dequantize above
+# GEMV_MAX_ROWS.
 INT8_CHUNKED_MAX_ROWS = {"amx": 96, "avx512vnni": 32}
 
 # Prefill dequantizes this many bytes of fp32 weight rows at a time into a
