@@ -127,7 +127,7 @@ def run() -> int:
                     cell[name] = {"perplexity": r.perplexity, "reference_perplexity": r.reference_perplexity,
                                   "kl": r.kl_divergence, "top1": r.top1_agreement}
                 report["cells"].append(cell)
-                write_results(out, report, kept_from=earlier if earlier.get("cells") else None, announce=False)
+                write_results(out, report, kept_from=earlier or None, announce=False)
                 print(f"{model_name} {method} {label}: " + ", ".join(
                     f"{n} ppl {cell[n]['perplexity']:.3f} kl {cell[n]['kl']:.4f}" for n in texts), flush=True)
                 del model

@@ -476,7 +476,7 @@ def run() -> int:
     ran = {TOOL_NAMES[t] for t in args.tools}
     kept = (any(k not in report for k in previous if k not in ("provenance", "earlier_runs"))  # parts not run
             or any(r["tool"] not in ran for r in report.get("throughput", {}).get("rows", [])))  # rows kept
-    report = {**previous, **report}
+    report = {**previous, **report} if kept else report  # a file rerun whole names only this run
     print_tables(report, args.model)
     write_results(name, report, kept_from=previous if kept else None)
     return 0
