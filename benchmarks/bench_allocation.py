@@ -28,7 +28,6 @@ of KL against bits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -51,7 +50,7 @@ from paperback.quantization.awq import AWQConfig  # noqa: E402
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch  # noqa: E402
 from paperback.quantization.head_bands import MIN_BAND_BITS, split_band_key  # noqa: E402
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
-from results_io import RESULTS, read_results, warn_if_busy, write_results  # noqa: E402
+from results_io import RESULTS, benchmark_parser, read_results, warn_if_busy, write_results  # noqa: E402
 
 POLICIES = ("uniform", "llama.cpp", "paperback", "paperback-all")
 
@@ -87,7 +86,7 @@ def predicted_kl(kl: dict, units, policy: dict) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--budgets", nargs="+", default=["W3a-g128", "W3a-g64", "W4a-g128", "W4a-g64"])
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES[:3]),

@@ -15,7 +15,6 @@ benchmarks/results/bf16_prefill_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from paperback.loading import load_model
 from paperback.kernels.packed import kernel_modes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import benchmark_parser, warn_if_busy, write_results  # noqa: E402
 
 
 def kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -42,7 +41,7 @@ def kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)

@@ -19,7 +19,6 @@ Writes benchmarks/results/capacity.json.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from results_io import RESULTS, write_results  # noqa: E402
+from results_io import RESULTS, benchmark_parser, write_results  # noqa: E402
 
 MiB = 2 ** 20
 CLASSES = [("fp16",), ("fp8", "int8"), ("int4", "kivi4"), ("kivi2",)]
@@ -116,7 +115,7 @@ def markdown(rows: list[dict], model: str = "smollm2") -> str:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 256, 1024], help="MiB")
     parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+",

@@ -17,7 +17,6 @@ texts not run this time.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -37,7 +36,9 @@ CORPORA = ("pydoc", "ptb")
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--methods", nargs="+", default=["gptq", "awq"])
     parser.add_argument("--scheme", default="W4a-g128")

@@ -18,7 +18,6 @@ benchmarks/results/decode_kernels[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_qkernel import best_time  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 # one layer's calls: the matrices that share an input go in one call
@@ -69,7 +68,7 @@ def time_step(calls: list, scheme: QuantScheme, threads: int, int8: bool, repeat
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from results_io import run_worker, warn_if_busy, write_results
+from results_io import benchmark_parser, run_worker, warn_if_busy, write_results
 
 
 def worker(args) -> dict:
@@ -64,7 +64,7 @@ def worker(args) -> dict:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=256)

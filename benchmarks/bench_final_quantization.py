@@ -22,7 +22,6 @@ benchmarks/results/final_quantization_<model>_<text>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from paperback.loading import load_model  # noqa: E402
 from paperback.quantization.calibration import CalibrationConfig, calibration_batch  # noqa: E402
 from paperback.quantization.model_pass import BLOCK_LINEARS, QuantizeConfig, quantize_model  # noqa: E402
 from paperback.quantization.rtn import quantize_rtn  # noqa: E402
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import benchmark_parser, warn_if_busy, write_results  # noqa: E402
 
 WAYS = ("sequential", "per-unit")
 
@@ -73,7 +72,7 @@ def per_unit_weights(model, units, policy: dict, calibration: torch.Tensor, meth
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="gemma3")
     parser.add_argument("--text", default="pydoc", help="profiled and calibrated on (first half), held out (second)")
     parser.add_argument("--budgets", nargs="+", default=["W4a-g128", "W4a-g64"])

@@ -21,7 +21,6 @@ Writes benchmarks/results/gguf_export_<model>.json (or --out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -87,7 +86,9 @@ def run_row(name: str, source: Path, tokens: list[int], windows_file: Path, args
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="a bundled model whose source is a GGUF file")
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)

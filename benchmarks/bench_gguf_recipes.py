@@ -23,7 +23,6 @@ benchmarks/results/gguf_recipes.json and a plot of KLD against file size (gguf_r
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -33,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 import llamacpp_tools  # noqa: E402
-from results_io import RESULTS, add_tag_arg, provenance, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import (  # noqa: E402
+    RESULTS, add_tag_arg, benchmark_parser, provenance, results_name, warn_if_busy, write_results,
+)
 
 TEXTS = {"wikitext2": "wikitext2_test.txt", "ptb": "ptb_test.txt"}
 WORK = Path.home() / ".cache" / "paperback" / "gguf-bench"
@@ -62,8 +63,7 @@ def fit_row(fit, recipe: str, out: Path) -> dict:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--recipes", nargs="+", default=["Q3_K_M", "Q4_K_M", "Q5_K_M", "Q4_0"])
     parser.add_argument("--fits", nargs="*", default=["rtn"], choices=["rtn", "gptq", "awq"],

@@ -17,7 +17,6 @@ benchmarks/results/int8_activations_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ from paperback.loading import load_model
 from paperback.kernels.packed import GEMV_MAX_ROWS, kernel_simd, set_decode_activations
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import write_results  # noqa: E402
+from results_io import benchmark_parser, write_results  # noqa: E402
 
 CHECKPOINTS = {"W4a-g32": ["--group-size", "32"], "W4a-g128": [],
                "W8s-ch": ["--bits", "8", "--group-size", "0", "--sym"]}
@@ -40,7 +39,7 @@ BAR = 0.1
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)

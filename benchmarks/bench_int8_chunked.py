@@ -17,7 +17,6 @@ measured. Writes benchmarks/results/int8_chunked[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -32,11 +31,11 @@ from paperback.quantization.qlinear import QuantLinear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_qkernel import best_time  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--rows", type=int, nargs="+", default=[17, 24, 32, 48, 64, 96, 128])
     parser.add_argument("--paths", nargs="+", default=["amx", "avx512vnni", "avx2"])

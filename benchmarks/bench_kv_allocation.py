@@ -20,7 +20,6 @@ after every cell (a rerun skips cells already there unless --fresh).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ from paperback.kv import QuantizedKVCache, build_policy  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
 from paperback.plan.arithmetic import kv_bytes  # noqa: E402
 from paperback.plan.shape import shape_from_config  # noqa: E402
-from results_io import read_results, warn_if_busy, write_results  # noqa: E402
+from results_io import benchmark_parser, read_results, warn_if_busy, write_results  # noqa: E402
 
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
@@ -51,7 +50,7 @@ def allocated_policy(allocator: Allocator, budget: float, evict: bool, retrieval
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--budgets", nargs="+", default=["kivi2", "int4"])
     parser.add_argument("--context", type=int, default=4096)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from results_io import warn_if_busy, write_results
+from results_io import benchmark_parser, warn_if_busy, write_results
 CONFIGS = [  # (tool, setting)
     ("paperback", "fp16"), ("paperback", "int4"), ("paperback", "kivi2"),
     ("transformers", "dynamic"), ("transformers", "quanto-4"), ("transformers", "quanto-2"),
@@ -102,7 +102,7 @@ def worker(args) -> int:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=2)

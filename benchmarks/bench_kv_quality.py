@@ -23,7 +23,6 @@ skips cells already there (--fresh to redo).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -298,7 +297,9 @@ def plot(report: dict, model: str) -> list[Path]:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--part", nargs="+", default=["quality"],
                         choices=["quality", "positions", "needle", "sweep", "fp8-error", "plot"])
     parser.add_argument("--model", default="smollm2")

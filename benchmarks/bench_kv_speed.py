@@ -27,7 +27,9 @@ import json
 import sys
 import time
 
-from results_io import add_tag_arg, read_results, results_name, run_worker, warn_if_busy, write_results
+from results_io import (
+    add_tag_arg, benchmark_parser, read_results, results_name, run_worker, warn_if_busy, write_results,
+)
 
 
 def worker(args) -> dict:
@@ -208,7 +210,7 @@ def write_merged(name: str, payload: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = benchmark_parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batch", type=int, default=4)

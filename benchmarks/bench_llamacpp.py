@@ -25,7 +25,6 @@ benchmarks/results/llamacpp_<model>[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from paperback.loading.tokenizer import cache_dir
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 import llamacpp_tools  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +124,7 @@ def llamacpp_run(path: Path, threads: int, cfg: BenchConfig) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "llama-3.2-1b", "llama-3.2-3b"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--trials", type=int, default=2, help="fresh-process runs per row and thread count")

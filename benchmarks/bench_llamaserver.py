@@ -23,7 +23,6 @@ benchmarks/results/llamaserver_<model>[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent / "peers"))
 import llamacpp_tools  # noqa: E402
 from peak_rss import PeakRSS  # noqa: E402
 from bench_llamacpp import model_files, quantized_checkpoint  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 # model -> (llama.cpp's file, paperback's checkpoint of no more bytes)
 PAIRS = {"smollm2": ("bundled", "W4a-g32, head W8"), "llama-3.2-1b": ("Q4_0", "W4s-g32, head W4a-g32")}
@@ -208,7 +207,7 @@ def prefix_hit_rate(port: int) -> float | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2", choices=list(PAIRS))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests-per-client", type=int, default=2)

@@ -20,7 +20,6 @@ benchmarks/results/llmcompressor_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import subprocess
@@ -72,7 +71,9 @@ def markdown(result: dict, data: list[str]) -> str:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)

@@ -28,7 +28,6 @@ moe_additivity for the other parts) and a plot beside it; --markdown prints the 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -46,7 +45,9 @@ from paperback.quantization.calibration import CalibrationConfig, calibration_ba
 from paperback.quantization.scheme import QuantScheme
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import add_tag_arg, read_results, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import (  # noqa: E402
+    add_tag_arg, benchmark_parser, read_results, results_name, warn_if_busy, write_results,
+)
 
 SETTINGS = {
     "mixtral-e8k6": MoefyConfig(num_experts=8, experts_per_token=6),
@@ -480,7 +481,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=["mixtral-e8k6", "qwen2moe-e8k6-s25"], choices=SETTINGS)
     parser.add_argument("--budgets", type=float, nargs="+", default=[2.5, 3.0, 4.0])
     parser.add_argument("--windows", type=int, default=32)

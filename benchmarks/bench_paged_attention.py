@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from results_io import run_worker, warn_if_busy, write_results
+from results_io import benchmark_parser, run_worker, warn_if_busy, write_results
 
 SHAPES = {"smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # query heads, KV heads, head dim
 CASES = [(512, 512), (512, 4096), (1, 4096)]  # (new tokens, context)
@@ -139,7 +139,7 @@ def decode_worker(impl: str, shape: str, repeats: int) -> dict:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--decode-worker", nargs=2, help=argparse.SUPPRESS)

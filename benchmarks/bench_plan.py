@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from results_io import RESULTS, read_results, run_worker, warn_if_busy, write_results
+from results_io import RESULTS, benchmark_parser, read_results, run_worker, warn_if_busy, write_results
 
 
 def worker(model: str, kv: str, context: int, users: int) -> dict:
@@ -185,7 +185,7 @@ def run_allowance(models: list[str]) -> None:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--kv-cache-dtype", "--kv", dest="kv", nargs="+", default=["fp16", "int8", "kivi2"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])

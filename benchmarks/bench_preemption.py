@@ -21,7 +21,6 @@ benchmarks/results/preemption_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from paperback.evaluation import load_text  # noqa: E402
 from paperback.generation.sampling import SamplingParams  # noqa: E402
 from paperback.kv import build_policy  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
-from results_io import warn_if_busy, write_results  # noqa: E402
+from results_io import benchmark_parser, warn_if_busy, write_results  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
 
@@ -68,7 +67,7 @@ def run_once(lm, prompts: list[list[int]], args, mode: str, num_blocks: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 256, 1024])
     parser.add_argument("--requests", type=int, default=8)

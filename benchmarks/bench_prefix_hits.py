@@ -15,7 +15,6 @@ benchmarks/results/prefix_hits_smollm2[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 
 from bench_llamacpp import quantized_checkpoint  # noqa: E402
 from bench_llamaserver import PAIRS, kv_bytes_per_token, request_set  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 from paperback.cli.output import print_table  # noqa: E402
 
@@ -61,7 +60,7 @@ def run(lm, kv: str, kv_memory: int, caching: bool, clients: int, requests: list
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["fp16", "int8", "kivi4"])
     parser.add_argument("--clients", type=int, default=16, help="sequences at most at once (default 16)")
     parser.add_argument("--requests", type=int, default=32, help="requests given at once (default 32)")

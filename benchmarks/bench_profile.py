@@ -12,7 +12,6 @@ The machine should be idle: the load average is checked before and after.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -27,13 +26,13 @@ from paperback.allocate.profile import ProfileConfig, Profiler  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation.datasets import load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
-from results_io import cpu_model as cpu_name, warn_if_busy, write_results  # noqa: E402
+from results_io import benchmark_parser, cpu_model as cpu_name, warn_if_busy, write_results  # noqa: E402
 
 TARGET_MINUTES = {"smollm2": 15, "gemma3": 40}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="smollm2", choices=sorted(TARGET_MINUTES))
     parser.add_argument("--text", default="pydoc", help="text to profile on (default: the CLI's, pydoc)")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")

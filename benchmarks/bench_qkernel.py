@@ -13,7 +13,6 @@ where the crossover lies. Writes benchmarks/results/qkernel.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,9 @@ def best_time(fn, repeats: int) -> float:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "qkernel.json")

@@ -20,7 +20,6 @@ marked `aligned_with_source` and the README draws no conclusions from them.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -63,7 +62,9 @@ def bits_per_weight(quantized: dict) -> float:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--methods", nargs="+", default=["rtn", "gptq", "awq"],
                         help="rtn, gptq, awq, or gptq-ts (GPTQ with true-sequential order)")

@@ -16,7 +16,6 @@ benchmarks/results/quantize_memory[_<tag>].json; rows of that file that this run
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -32,7 +31,9 @@ from paperback.loading.tokenizer import cache_dir
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "peers"))
 from peak_rss import PeakRSS  # noqa: E402
-from results_io import add_tag_arg, read_results, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import (  # noqa: E402
+    add_tag_arg, benchmark_parser, read_results, results_name, warn_if_busy, write_results,
+)
 
 # Loads the model whole, then quantizes it in memory: the path GPTQ and AWQ take, and RTN's before streaming.
 IN_MEMORY = ("import sys; from paperback.loading import load_model; from paperback.quantization.model_pass import "
@@ -59,7 +60,7 @@ def measured(argv: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.2-3b"])
     parser.add_argument("--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq", "awq"])
     parser.add_argument("--in-memory", nargs="*", default=["llama-3.2-1b"],

@@ -12,7 +12,6 @@ weights that matter. Writes benchmarks/results/salient_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -58,7 +57,9 @@ def input_scales(model, calibration: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--bits", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=128)

@@ -12,7 +12,6 @@ which one it keeps. JSON: benchmarks/results/second_pass_<model>_<text>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from paperback.allocate.second_pass import SecondPass  # noqa: E402
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.evaluation import load_text  # noqa: E402
 from paperback.loading import load_model  # noqa: E402
-from results_io import write_results  # noqa: E402
+from results_io import benchmark_parser, write_results  # noqa: E402
 
 
 # Solutions by head scheme beside the even one: three, as when its JSON was measured (fit now keeps two).
@@ -44,7 +43,7 @@ def weights_only_setup(model: str, text_name: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="gemma3")
     parser.add_argument("--text", default="pydoc")
     parser.add_argument("--budgets", nargs="+", default=["W4a-g128", "W4a-g64"])

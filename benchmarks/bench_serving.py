@@ -41,7 +41,9 @@ import time
 import torch
 
 from paperback.memory import dense_kv_bytes_per_token
-from results_io import add_tag_arg, read_results, results_name, run_worker, warn_if_busy, write_results
+from results_io import (
+    add_tag_arg, benchmark_parser, read_results, results_name, run_worker, warn_if_busy, write_results,
+)
 
 SHARING_KV_BYTES = 2 ** 30  # every sharing case runs all its sequences at once in it, shared or not
 
@@ -419,7 +421,7 @@ def print_tables(report: dict, model: str) -> None:
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--part", nargs="+", default=["throughput", "sharing", "capacity"])
     parser.add_argument("--requests", type=int, default=200)

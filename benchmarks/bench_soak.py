@@ -27,7 +27,6 @@ Writes benchmarks/results/soak_<kv>[_<tag>].json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -40,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_llamacpp import model_files, quantized_checkpoint  # noqa: E402
 from bench_llamaserver import Server, free_port, percentile, request_set  # noqa: E402
-from results_io import add_tag_arg, results_name, warn_if_busy, write_results  # noqa: E402
+from results_io import add_tag_arg, benchmark_parser, results_name, warn_if_busy, write_results  # noqa: E402
 
 from paperback.cli.output import print_table  # noqa: E402
 from paperback.loading.tokenizer import tokenizer_from_dir  # noqa: E402
@@ -212,7 +211,7 @@ async def soak(server: Server, soak_state: Soak, clients: int, seconds: float) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--kv-cache-dtype", default="int8")

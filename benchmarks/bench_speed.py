@@ -8,7 +8,6 @@ to benchmarks/results/speed_<model>_<dtype>.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--batch", nargs="+", default=["1", "8"])

@@ -18,7 +18,6 @@ benchmarks/results/weight_speed_<model>.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -52,7 +51,9 @@ def bench(spec: str, dtype: str, batches: list[str], out: Path, trials: int) -> 
 
 
 def run() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from results_io import benchmark_parser
+
+    parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--batch", nargs="+", default=["1", "8"])
     parser.add_argument("--trials", type=int, default=3, help="fresh-process runs per configuration")

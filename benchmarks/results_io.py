@@ -1,11 +1,15 @@
-"""Where benchmark scripts write their JSON, and how they run a configuration in a fresh worker process."""
+"""What benchmark scripts share: their parser, where they write their JSON, and how they run a configuration in a
+fresh worker process."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from paperback.cli.common import HelpWithDefaults
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -44,6 +48,14 @@ def read_results(filename: str) -> dict:
     extends it passes back to write_results as `kept_from`."""
     path = RESULTS / filename
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class BenchmarkHelp(argparse.RawDescriptionHelpFormatter, HelpWithDefaults):
+    """A benchmark's --help: its docstring as written, and every option's default, as paperback's commands show."""
+
+
+def benchmark_parser(description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=description, formatter_class=BenchmarkHelp)
 
 
 def add_tag_arg(parser) -> None:

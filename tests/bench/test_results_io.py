@@ -69,3 +69,21 @@ def test_every_benchmark_writes_its_results_through_results_io():
     for script in sorted(BENCHMARKS.glob("bench_*.py")):
         writes = _json_writes_outside_results_io(script)
         assert len(writes) == CACHE_WRITES.get(script.name, 0), f"{script.name} writes JSON itself at {writes}"
+
+
+def test_a_benchmarks_help_keeps_its_docstring_and_says_every_default():
+    parser = results_io.benchmark_parser("One line.\n\n    .venv/bin/python benchmarks/bench_x.py [--windows 8]\n")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--data", nargs="+", default=["wikitext2"], help="texts scored")
+    parser.add_argument("--fresh", action="store_true", help="redo every cell")
+    text = parser.format_help()
+    assert "    .venv/bin/python benchmarks/bench_x.py [--windows 8]" in text  # not refilled
+    assert "default: 8" in text and "texts scored (default: ['wikitext2'])" in text
+    assert "redo every cell (default" not in text  # a flag's False says nothing
+
+
+def test_every_benchmark_builds_its_parser_with_benchmark_parser():
+    for script in sorted(BENCHMARKS.glob("bench_*.py")):
+        calls = {ast.unparse(node.func) for node in ast.walk(ast.parse(script.read_text()))
+                 if isinstance(node, ast.Call)}
+        assert "benchmark_parser" in calls and "argparse.ArgumentParser" not in calls, script.name
