@@ -108,7 +108,8 @@ def main() -> None:
                         help=f"how much lower a mix's measured KL must be than even bits' to be kept (default "
                              f"{EVEN_MARGIN})")
     parser.add_argument("--no-head-bands", action="store_true",
-                        help="allocate the tied head as one unit, not by bands of vocabulary rows")
+                        help="allocate the tied head as one unit, not by bands of vocabulary rows (results go to a "
+                             "file of their own)")
     parser.add_argument("--head-band-min-bits", type=int, default=MIN_BAND_BITS,
                         help=f"fewest bits a band of the head may take (default {MIN_BAND_BITS}; results of another "
                              "value go to a file of their own)")
@@ -118,7 +119,9 @@ def main() -> None:
     warn_if_busy()
     torch.manual_seed(0)
     stem = f"allocation_{args.model}" + ("" if args.text == "pydoc" else f"_{args.text}")
-    if args.head_band_min_bits != MIN_BAND_BITS:
+    if args.no_head_bands:
+        stem += "_head_one_unit"
+    elif args.head_band_min_bits != MIN_BAND_BITS:
         stem += f"_bands{args.head_band_min_bits}bit"
     out_name = f"{stem}.json"
     previous = read_results(out_name)

@@ -10,8 +10,13 @@ import sys
 from pathlib import Path
 
 from paperback.cli.common import HelpWithDefaults
+from paperback.system import code_version
 
 RESULTS = Path(__file__).parent / "results"
+
+# The code a benchmark measures is the tree it started from: a run hours long may see commits land, and its own
+# result files change as it writes them.
+CODE_AT_START = code_version()
 
 
 # What a result file kept from before provenance was recorded says about its measurement.
@@ -135,7 +140,8 @@ def cpu_model() -> str:
 
 
 def provenance(threads: int | None) -> dict:
-    """What a result was measured on: command line, git commit, CPU, threads, kernel path, date (UTC)."""
+    """What a result was measured on: command line, git commit (as the run began), CPU, threads, kernel path,
+    date (UTC)."""
     from paperback.system import provenance as measured_on
 
-    return measured_on(threads)
+    return measured_on(threads, commit=CODE_AT_START)

@@ -145,22 +145,34 @@ def require_kernels() -> None:
                          f"{missing[0].without}. Install gcc (and the Python headers), then {FIX}")
 
 
-def provenance(threads: int | None = None, argv: list[str] | None = None) -> dict:
-    """What a measured result ran on: its command line, the git commit of the tree (with "+dirty" for uncommitted
-    changes; "unknown" outside a checkout), the CPU, cores, threads, the kernels' path, and the date (UTC)."""
-    import datetime
+# Files a measurement writes (its results, their plots): changed there, they do not make the measured code dirty.
+RESULTS_PATHSPEC = ":(exclude)benchmarks/results"
+
+
+def code_version(root: Path | None = None) -> str:
+    """The git commit of paperback's tree (or the checkout at `root`), with "+dirty" where tracked code (results
+    aside) differs from it; "unknown" outside a checkout."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = root or Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                    capture_output=True, text=True).stdout.strip())
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                     RESULTS_PATHSPEC], cwd=root, capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def provenance(threads: int | None = None, argv: list[str] | None = None, commit: str | None = None) -> dict:
+    """What a measured result ran on: its command line, the code's commit (`code_version()`, or `commit` as read
+    when the run began: a long run's code is what it started with), the CPU, cores, threads, the kernels' path,
+    and the date (UTC)."""
+    import datetime
+
     argv = sys.argv if argv is None else argv
-    return {"command": " ".join([Path(argv[0]).name, *argv[1:]]), "commit": commit + ("+dirty" if dirty else ""),
+    return {"command": " ".join([Path(argv[0]).name, *argv[1:]]), "commit": commit or code_version(),
             "cpu": cpu_facts()["model"], "cores": os.cpu_count(),
             "threads": threads if threads is not None else torch.get_num_threads(), "kernels": kernel_summary(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

@@ -52,3 +52,24 @@ def test_every_command_that_runs_kernels_exists():
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     assert RUNS_KERNELS <= set(commands)
+
+
+def test_the_code_version_is_dirty_for_changed_code_and_not_for_changed_results(tmp_path):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "model.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"rows": [1]}')  # a run writing its results
+    assert system.code_version(tmp_path) == head
+    (tmp_path / "model.py").write_text("x = 2\n")
+    assert system.code_version(tmp_path) == head + "+dirty"
+    assert system.code_version(tmp_path / "benchmarks" / "results" / "r.json") == "unknown"  # not a checkout
