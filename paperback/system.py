@@ -145,13 +145,14 @@ def require_kernels() -> None:
                          f"{missing[0].without}. Install gcc (and the Python headers), then {FIX}")
 
 
-# Files a measurement writes (its results, their plots): changed there, they do not make the measured code dirty.
-RESULTS_PATHSPEC = ":(exclude)benchmarks/results"
+# Files that do not change what is measured: the results a run writes (and their plots), and the pages that
+# describe them. Changed there, the measured code is not dirty.
+NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)*.md")
 
 
 def code_version(root: Path | None = None) -> str:
     """The git commit of paperback's tree (or the checkout at `root`), with "+dirty" where tracked code (results
-    aside) differs from it; "unknown" outside a checkout."""
+    and pages aside) differs from it; "unknown" outside a checkout."""
     import subprocess
 
     root = root or Path(__file__).resolve().parent.parent
@@ -159,7 +160,7 @@ def code_version(root: Path | None = None) -> str:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 check=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                     RESULTS_PATHSPEC], cwd=root, capture_output=True, text=True).stdout.strip())
+                                     *NOT_CODE], cwd=root, capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")

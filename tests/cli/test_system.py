@@ -54,7 +54,7 @@ def test_every_command_that_runs_kernels_exists():
     assert RUNS_KERNELS <= set(commands)
 
 
-def test_the_code_version_is_dirty_for_changed_code_and_not_for_changed_results(tmp_path):
+def test_the_code_version_is_dirty_for_changed_code_and_not_for_changed_results_or_pages(tmp_path):
     import subprocess
 
     def git(*args):
@@ -64,11 +64,13 @@ def test_the_code_version_is_dirty_for_changed_code_and_not_for_changed_results(
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "model.py").write_text("x = 1\n")
     (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")
+    (tmp_path / "README.md").write_text("# x\n")
     git("init", "-q")
     git("add", ".")
     git("commit", "-qm", "one")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
     (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"rows": [1]}')  # a run writing its results
+    (tmp_path / "README.md").write_text("# x, measured\n")
     assert system.code_version(tmp_path) == head
     (tmp_path / "model.py").write_text("x = 2\n")
     assert system.code_version(tmp_path) == head + "+dirty"
