@@ -259,3 +259,29 @@ def test_the_serving_rerun_table_matches_its_json():
     t = result["throughput"]
     assert (f"Same weights and cache (fp32 against fp32): {t['speedup']:.2f}x transformers; what a user runs "
             f"(W4 + KIVI-2): {t['user_speedup']:.2f}x.") in page
+
+
+def allocation_rows(model: str) -> list[str]:
+    """docs/allocation.md's equal-bytes rows for `model` (without the bold), from its JSON and the head-one-unit
+    ablation's."""
+    cells = {(c["budget"], c["policy"]): c for c in measured(f"allocation_{model}.json")["cells"]}
+    for c in measured(f"allocation_{model}_head_one_unit.json")["cells"]:
+        cells[c["budget"], "head one unit"] = c
+    names = {"uniform": "uniform", "llama.cpp": "llama.cpp", "head one unit": "paperback, head one unit",
+             "paperback": "paperback", "paperback-all": "paperback, head one unit, every cell measured"}
+    rows = []
+    for (budget, policy), c in cells.items():
+        name = names[policy]
+        if policy == "head one unit" and any(s["chosen"] and s["name"].startswith("even") for s in c["second_pass"]):
+            name += " (even bits kept)"
+        predicted = "-" if c["predicted_kl"] is None else f"{c['predicted_kl']:.3f}"
+        rows.append(f"| {budget} | {name} | {c['bits_per_weight']:.3f} | {predicted} | {c['wikitext2']['kl']:.4f} "
+                    f"| {c['ptb']['kl']:.4f} | {c['wikitext2']['perplexity']:.2f} | {c['ptb']['perplexity']:.2f} |")
+    return rows
+
+
+@pytest.mark.parametrize("model", ["smollm2"])
+def test_the_allocation_pages_tables_match_their_json(model):
+    page = flat("docs/allocation.md").replace("**", "")
+    missing = [row for row in allocation_rows(model) if row not in page]
+    assert not missing, missing
