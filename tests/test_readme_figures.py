@@ -49,7 +49,7 @@ def decimals(cell: str) -> int:
 @pytest.mark.parametrize("model, title", [("smollm2", "SmolLM2-135M, weights at the bytes of"),
                                           ("gemma3", "Gemma 3 270M, weights at the bytes of")])
 def test_the_allocation_tables_match_their_json(model, title):
-    cells = json.loads((RESULTS / f"allocation_{model}.json").read_text())["cells"]
+    cells = measured(f"allocation_{model}.json")["cells"]
     kl = {(c["budget"], c["policy"]): (c["wikitext2"]["kl"], c["ptb"]["kl"]) for c in cells}
     for row in readme_table(title):
         bits, group = re.match(r"W(\d) g(\d+)", row[0]).groups()
