@@ -280,7 +280,7 @@ def allocation_rows(model: str) -> list[str]:
     return rows
 
 
-@pytest.mark.parametrize("model", ["smollm2"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_the_allocation_pages_tables_match_their_json(model):
     page = flat("docs/allocation.md").replace("**", "")
     missing = [row for row in allocation_rows(model) if row not in page]
