@@ -28,9 +28,9 @@ from paperback.cli.output import print_table
 
 RESULTS = Path(__file__).parent / "results"
 QUANTIZED = {  # name: quantize arguments
-    "W8 blocks": ["--bits", "8", "--group-size", "0", "--sym"],
+    "W8 blocks": ["--bits", "8", "--group-size", "0", "--sym", "--targets", "blocks"],
     "W8 blocks+head": ["--bits", "8", "--group-size", "0", "--sym", "--targets", "blocks,head"],
-    "W4 blocks": ["--bits", "4", "--group-size", "128"],
+    "W4 blocks": ["--bits", "4", "--group-size", "128", "--targets", "blocks"],
     "W4 blocks+head": ["--bits", "4", "--group-size", "128", "--targets", "blocks,head"],
 }
 
