@@ -36,7 +36,7 @@ CORPORA = ("pydoc", "ptb")
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -47,7 +47,6 @@ def run() -> int:
     parser.add_argument("--calib", nargs="+", default=[*CORPORA, GENERATED], choices=[*CORPORA, GENERATED],
                         help="calibration texts to run (rows of the others are kept from the last run)")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = parse_scheme(args.scheme)

@@ -86,7 +86,7 @@ def run_row(name: str, source: Path, tokens: list[int], windows_file: Path, args
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import LLAMACPP_PYTHON, benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="a bundled model whose source is a GGUF file")
@@ -95,7 +95,6 @@ def run() -> int:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--out", type=Path, default=None, help="JSON to write (default benchmarks/results/...)")
     args = parser.parse_args()
-    from results_io import LLAMACPP_PYTHON, warn_if_busy, write_results
 
     warn_if_busy()
     if not LLAMACPP_PYTHON.exists():

@@ -297,7 +297,7 @@ def plot(report: dict, model: str) -> list[Path]:
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--part", nargs="+", default=["quality"],
@@ -311,7 +311,6 @@ def run() -> int:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.part == ["plot"]:

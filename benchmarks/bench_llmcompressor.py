@@ -71,7 +71,7 @@ def markdown(result: dict, data: list[str]) -> str:
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -84,7 +84,6 @@ def run() -> int:
                         help="rows to (re)run; the others are kept from the JSON")
     parser.add_argument("--markdown", action="store_true", help="print the JSON's table as Markdown (README) and exit")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     out = RESULTS / f"llmcompressor_{args.model}.json"

@@ -48,14 +48,13 @@ def best_time(fn, repeats: int) -> float:
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("-o", "--output", type=Path, default=RESULTS / "qkernel.json")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     torch.manual_seed(0)

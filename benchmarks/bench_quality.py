@@ -62,7 +62,7 @@ def bits_per_weight(quantized: dict) -> float:
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
@@ -80,7 +80,6 @@ def run() -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="print the tables in the JSON files as Markdown (for the README) and exit")
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     if args.markdown:

@@ -57,7 +57,7 @@ def input_scales(model, calibration: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -68,7 +68,6 @@ def run() -> int:
     parser.add_argument("--data", nargs="+", default=["wikitext2", "ptb"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     scheme = QuantScheme(args.bits, args.group_size)

@@ -17,14 +17,13 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--batch", nargs="+", default=["1", "8"])
     args = parser.parse_args()
-    from results_io import warn_if_busy
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     for model in args.models:

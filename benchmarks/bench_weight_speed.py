@@ -51,7 +51,7 @@ def bench(spec: str, dtype: str, batches: list[str], out: Path, trials: int) -> 
 
 
 def run() -> int:
-    from results_io import benchmark_parser
+    from results_io import benchmark_parser, warn_if_busy, write_results
 
     parser = benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -59,7 +59,6 @@ def run() -> int:
     parser.add_argument("--trials", type=int, default=3, help="fresh-process runs per configuration")
     parser.add_argument("-o", "--output", type=Path, default=None)
     args = parser.parse_args()
-    from results_io import warn_if_busy, write_results
 
     warn_if_busy()  # a busy machine distorts timings, and even ratios
     output = args.output or RESULTS / f"weight_speed_{args.model}.json"

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from paperback.cli.common import HelpWithDefaults
-from paperback.system import code_version
+from paperback.system import code_version, cpu_facts
+from paperback.system import provenance as measured_on
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -134,14 +135,10 @@ def warn_if_busy(own_threads: int = 0) -> float:
 
 def cpu_model() -> str:
     """The CPU's model name as /proc/cpuinfo gives it (else the platform's processor string, or "unknown")."""
-    from paperback.system import cpu_facts
-
     return cpu_facts()["model"]
 
 
 def provenance(threads: int | None) -> dict:
     """What a result was measured on: command line, git commit (as the run began), CPU, threads, kernel path,
     date (UTC)."""
-    from paperback.system import provenance as measured_on
-
     return measured_on(threads, commit=CODE_AT_START)
