@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.allocate.solver import Group, Option, solve
 from paperback.errors import PaperbackError
@@ -185,8 +184,7 @@ def calibrate_factors(model, probe: torch.Tensor, candidates: dict[Key, dict[str
         hidden_states, kl_from = layer_runner(model, probe)
         hidden = hidden_states()
         factors, kls = {}, {}
-        for key in tqdm(experts_of(model), desc="calibrating experts", unit="expert",
-                        disable=None if progress else True, leave=False):
+        for key in stage_progress(experts_of(model), desc="calibrating experts", unit="expert", enabled=progress):
             with assigned(model, candidates, {key: probe_label}):
                 kls[key] = max(kl_from(key[0], hidden), 0.0)
             error = errors[key][probe_label]
@@ -240,8 +238,7 @@ def context_costs(model, probe: torch.Tensor, candidates: dict[Key, dict[str, di
         hidden = hidden_states()
         base = kl_from(len(model.model.layers), hidden)
         steps = [(layer, label) for layer in by_layer for label in labels]
-        for layer, label in tqdm(steps, desc="calibrating in context", unit="move", disable=None if progress else True,
-                                 leave=False):
+        for layer, label in stage_progress(steps, desc="calibrating in context", unit="move", enabled=progress):
             keys = by_layer[layer]
             moved = {key: label for key in keys if context[key] != label}
             change = 0.0

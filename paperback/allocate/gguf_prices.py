@@ -13,11 +13,11 @@ import random
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.allocate.estimate import anchor_factor, check_summary
 from paperback.allocate.gguf_cells import GGUFCells, layer_of
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
+from paperback.progress import progress as stage_progress
 from paperback.quantization.gguf_types import GGUF_TYPES, GGUFType
 from paperback.quantization.model_pass import EMBED_PARAM
 
@@ -49,8 +49,8 @@ def price_cells(cells: GGUFCells, probe: ReferenceProbe, candidates: dict[str, l
     t0 = time.perf_counter()
     prices: dict[str, dict[str, dict]] = {}
     anchors = {}
-    bar = tqdm(total=sum(len(k) for k in candidates.values()), desc="price GGUF cells", unit="cell",
-               disable=None if progress else True, leave=False)
+    bar = stage_progress(total=sum(len(k) for k in candidates.values()), desc="price GGUF cells", unit="cell",
+                         enabled=progress)
     for param, kinds in candidates.items():
         anchor = anchor_type(kinds, anchor_bits)
         anchors[param] = anchor.name
@@ -82,7 +82,7 @@ def _check(cells: GGUFCells, probe: ReferenceProbe, prices: dict, samples: int, 
     estimated = [(p, t) for p, row in prices.items() for t, cell in row.items() if not cell["measured"]]
     chosen = random.Random(seed).sample(estimated, min(samples, len(estimated)))
     points = []
-    for param, name in tqdm(chosen, desc="check estimates", disable=None if progress else True, leave=False):
+    for param, name in stage_progress(chosen, desc="check estimates", enabled=progress):
         points.append({"kind": "weight", "param": param, "type": name, "estimated": prices[param][name]["kl"],
                        "measured": kl_with(probe, param, cells.quantize(param, GGUF_TYPES[name]).dequantize())})
     return check_summary(points) if points else {"samples": 0}

@@ -26,8 +26,8 @@ from __future__ import annotations
 import random
 
 import torch
-from tqdm.auto import tqdm
 
+from paperback.progress import progress as stage_progress
 from paperback.quantization.head_bands import band_of_ranking, band_rows, band_sizes, encode_band_of
 from paperback.quantization.rtn import quantize_rtn
 
@@ -113,8 +113,7 @@ def measure_head_bands(model, param: str, probe, schemes, whole_head_kl: dict[st
     rows = band_rows(band_of)
     kl: dict[str, dict[str, float]] = {f"band{b}": {} for b in range(len(rows))}
     output_side, scale = {}, {}
-    for scheme in tqdm(schemes, desc="profile head bands", unit="scheme", disable=None if progress else True,
-                       leave=False):
+    for scheme in stage_progress(schemes, desc="profile head bands", unit="scheme", enabled=progress):
         change = quantize_rtn(weight, scheme).dequantize().float() - weight
         bands, whole = output_side_kl(hidden, probe.ref_probs, change, rows)
         label = scheme.label

@@ -40,7 +40,6 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.allocate.head_band_profile import USAGE_VERSION, measure_head_bands, random_band_assignments
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
@@ -55,6 +54,7 @@ from paperback.allocate.units import (HEAD_UNIT, RETENTION_SINK, WeightUnit, par
 from paperback.errors import DatasetError, PaperbackError
 from paperback.kv.policy import KVPolicy
 from paperback.kv.schemes import KVScheme
+from paperback.progress import progress as stage_progress
 from paperback.quantization.awq import AWQConfig
 from paperback.quantization.head_bands import BandedWeight, band_rows, decode_band_of
 from paperback.quantization.rtn import quantize_rtn
@@ -306,8 +306,7 @@ class Profiler:
         todo = sum(1 for u in self.units for s in self.schemes if s.label not in kl.get(u.name, {}))
         if todo == 0 and self.data["additivity"] is not None:
             return  # nothing left that needs the quantized weights
-        bar = tqdm(total=todo, desc="profile weights", unit="unit", disable=None if self.progress else True,
-                   leave=False)
+        bar = stage_progress(total=todo, desc="profile weights", unit="unit", enabled=self.progress)
         t0 = time.perf_counter()
         blocks = quantized_blocks(self.model, self.text.calibration, lambda idx: self.schemes, self.config.method,
                                   PROFILE_AWQ)
@@ -400,9 +399,8 @@ class Profiler:
         rows = band_rows(band_of)
         by_label = {s.label: s for s in self.schemes}
         samples = []
-        for picks in tqdm(random_band_assignments(self.schemes, len(rows), HEAD_BAND_CHECKS, self.config.seed),
-                          desc="profile head band check", unit="sample", disable=None if self.progress else True,
-                          leave=False):
+        assignments = random_band_assignments(self.schemes, len(rows), HEAD_BAND_CHECKS, self.config.seed)
+        for picks in stage_progress(assignments, desc="profile head band check", unit="sample", enabled=self.progress):
             banded = BandedWeight(band_of, [quantize_rtn(weight[r], by_label[label]) for r, label in zip(rows, picks)])
             with swapped_weights(self.model, {param: banded.dequantize()}):
                 measured = probe.kl_full()
@@ -456,8 +454,7 @@ class Profiler:
         kl = self.data["kv"]["kl"]
         layers = range(self.model.config.num_layers)
         todo = sum(1 for i in layers for f in self.formats if f.label not in kl.get(str(i), {}))
-        bar = tqdm(total=todo, desc="profile KV", unit="layer", disable=None if self.progress else True,
-                   leave=False)
+        bar = stage_progress(total=todo, desc="profile KV", unit="layer", enabled=self.progress)
         schemes = {f.label: f for f in self.formats}
         for i in layers:
             t0 = time.perf_counter()
@@ -484,8 +481,8 @@ class Profiler:
         probe = ReferenceProbe(self.model, self.text.long_window, self.config.kv_chunk, 4 * self.config.score_stride)
         kl, scale = {}, {}
         short = self.data["kv"]["kl"]
-        for scheme in tqdm(self.formats, desc="profile KV, long window", unit="format",
-                           disable=None if self.progress else True, leave=False):
+        for scheme in stage_progress(self.formats, desc="profile KV, long window", unit="format",
+                                     enabled=self.progress):
             kl[scheme.label] = probe.kl_full(KVPolicy(scheme))
             summed = sum(short[str(i)][scheme.label] for i in range(self.model.config.num_layers))
             # A format whose error is at the noise floor on both (fp16) keeps its short-window costs.
@@ -528,8 +525,7 @@ class Profiler:
             **{name: done.get(name, {}) for name in EXACT_VARIANTS}, "windows": windows,
             "evict": done.get("evict", {}), "long_tokens": int(long_window.shape[1]) if long_window is not None
             else None, "complete": False}
-        bar = tqdm(total=todo, desc="profile retention", unit="cell", disable=None if self.progress else True,
-                   leave=False)
+        bar = stage_progress(total=todo, desc="profile retention", unit="cell", enabled=self.progress)
         variants = self._retention_variants()
         layers = range(config.num_layers)
         estimates = self.data.get("estimates")
@@ -608,8 +604,8 @@ class Profiler:
                                       "evict": r.get("evict", {}), "complete": False}
         evictions = self._evictions()
         probe = None
-        for i in tqdm(range(config.num_layers), desc="profile retrieval", unit="layer",
-                      disable=None if self.progress else True, leave=False):
+        for i in stage_progress(range(config.num_layers), desc="profile retrieval", unit="layer",
+                                enabled=self.progress):
             formats = r["formats"].setdefault(str(i), {})
             evict = r["evict"].setdefault(str(i), {})
             todo = [f for f in self.formats if f.label not in formats] + [w for w in evictions if w not in evict]
@@ -672,8 +668,8 @@ class Profiler:
         rng = random.Random(self.config.seed + 1)
         share = math.ceil(self.config.check_samples / max(1, len(kinds)))
         points = []
-        for kind, cells in tqdm(kinds.items(), desc="profile estimate check", unit="kind",
-                                disable=None if self.progress else True, leave=False):
+        for kind, cells in stage_progress(kinds.items(), desc="profile estimate check", unit="kind",
+                                          enabled=self.progress):
             for args, value, measure in rng.sample(cells, min(share, len(cells))):
                 points.append({"kind": kind, "cell": list(args), "estimated": value, "measured": measure(*args)})
         estimates["check"] = check_summary(points)
@@ -695,8 +691,7 @@ class Profiler:
         formats = sorted(self.formats, key=lambda f: -f.bits_per_element(self.model.config.head_dim))
         samples = []
         kinds = ("weights", "kv", "joint")
-        for k in tqdm(range(n), desc="profile additivity", unit="sample", disable=None if self.progress else True,
-                      leave=False):
+        for k in stage_progress(range(n), desc="profile additivity", unit="sample", enabled=self.progress):
             kind = kinds[k % 3]
             predicted = 0.0
             swap: dict[str, torch.Tensor] = {}

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.allocate.candidates import EVEN_MARGIN, Candidate, kept_candidate
 from paperback.allocate.probe import ReferenceProbe, swapped_weights
@@ -43,6 +42,7 @@ from paperback.allocate.quantized_units import EffectiveWeight, effective_key, q
 from paperback.allocate.units import HEAD_UNIT, WeightUnit, parse_weight_candidates
 from paperback.kv.policy import KVPolicy
 from paperback.models import DecoderLM
+from paperback.progress import progress as stage_progress
 from paperback.quantization.rtn import QuantizedWeight, quantize_rtn
 
 
@@ -88,8 +88,7 @@ class SecondPass:
         self._quantize(candidates)
         if self._probe is None:
             self._probe = ReferenceProbe(self.model, self.split.head_windows, self.config.kv_chunk)
-        for c in tqdm(candidates, desc="second pass", unit="candidate", disable=None if self.progress else True,
-                      leave=False):
+        for c in stage_progress(candidates, desc="second pass", unit="candidate", enabled=self.progress):
             policy: KVPolicy | None = kv_policy(c) if kv_policy is not None else None
             with swapped_weights(self.model, self._weights(c)):
                 c.measured = self._probe.kl_full(policy)
@@ -165,8 +164,7 @@ class ShippedSecondPass:
             self._probe = ReferenceProbe(self.model, profiled_split(self.model, self.tokenizer, self.text,
                                                                     self.config).head_windows, self.config.kv_chunk)
         kept: dict[bool, ShippedCandidate] = {}  # even or not: the least KL of each
-        for c in tqdm(candidates, desc="second pass", unit="candidate", disable=None if self.progress else True,
-                      leave=False):
+        for c in stage_progress(candidates, desc="second pass", unit="candidate", enabled=self.progress):
             shipped = self._quantized(c, quantize)
             policy = kv_policy(c) if kv_policy is not None else None
             # The quantized copy's every parameter (AWQ also changed norms) swapped into the probe's model.

@@ -9,11 +9,11 @@ kv_cache_scheme does. Calibrate on text other than the evaluation text.
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from paperback.kv.codecs import FP8_DTYPES
 from paperback.models import DecoderLM
 from paperback.models.cache import KVCache
+from paperback.progress import progress as stage_progress
 
 
 class _AmaxRecorder(KVCache):
@@ -38,8 +38,7 @@ def calibrate_kv_amax(model: DecoderLM, calibration: torch.Tensor, batch_size: i
     Schemes turn these into FP8 scales for their variant, per layer or per head.
     """
     recorder = _AmaxRecorder(model.config.num_layers)
-    for batch in tqdm(calibration.split(batch_size), desc="kv amax", unit="batch",
-                      disable=None if progress else True, leave=False):
+    for batch in stage_progress(calibration.split(batch_size), desc="kv amax", unit="batch", enabled=progress):
         model.hidden_states(batch, 0, recorder)
     return {i: (k, v) for i, (k, v) in enumerate(zip(recorder.key_amax, recorder.value_amax))}
 

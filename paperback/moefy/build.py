@@ -21,13 +21,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from paperback.errors import PaperbackError
 from paperback.models import DecoderLM, ModelConfig, MoEConfig
 from paperback.models.layers import gated_mlp_act
 from paperback.moefy.clustering import balanced_kmeans
+from paperback.progress import progress as stage_progress
 from paperback.quantization.calibration import CalibrationConfig
 
 # Router logits are scaled to this spread (std over experts): the top-k softmax weights then differ from
@@ -168,8 +167,7 @@ def moefy(model: DecoderLM, calibration: torch.Tensor, config: MoefyConfig,
     with torch.no_grad():
         hidden = [model.embed(b) for b in calibration.split(4)]
         layers = model.model.layers
-        for idx, layer in enumerate(tqdm(layers, desc="MoEfying", unit="layer", disable=None if progress else True,
-                                         leave=False)):
+        for idx, layer in enumerate(stage_progress(layers, desc="MoEfying", unit="layer", enabled=progress)):
             cos, sin = model.rotary_for(idx)(positions, model.dtype)
             inputs = []
             hook = layer.mlp.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].reshape(

@@ -35,7 +35,9 @@ def test_profile_cli_writes_a_complete_profile(tiny_dir, tmp_path, cache, capsys
     assert main(["profile", str(tiny_dir), "-o", str(out), "--cache-dir", str(cache), *SMALL]) == 0
     data = json.loads(out.read_text())
     assert data["complete"] and data["weights"]["kl"]["head"]["W2a-g64"] > 0
-    assert "additivity" in capsys.readouterr().err
+    err = capsys.readouterr().err  # off a terminal, a line as each stage starts and ends
+    for part in ("profile weights", "profile KV", "profile retention", "profile additivity"):
+        assert f"[paperback] {part}: " in err and f"[paperback] {part}: done: " in err, part
 
 
 def test_fit_writes_a_checkpoint_that_serves_its_own_kv_policy(tiny_dir, tmp_path, cache, capsys):
