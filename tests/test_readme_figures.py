@@ -59,6 +59,21 @@ def test_the_allocation_tables_match_their_json(model, title):
             assert pair(cell) == tuple(round(v, places) for v in kl[budget, policy]), (budget, policy)
 
 
+def test_the_kv_allocation_table_matches_its_json():
+    cells = {c["name"]: c for c in measured("kv_allocation_smollm2.json")["cells"]}
+    fp16 = cells["fp16"]["perplexity"]
+
+    def said(name: str, kl_places: int) -> str:
+        cell = cells[name]
+        found = sum(n["correct"] for n in cell["needles"])
+        return f"{100 * (cell['perplexity'] / fp16 - 1):+.1f}%, {cell['kl']:.{kl_places}f}, {found}/{len(cell['needles'])}"
+
+    rows = {row[0]: row[1:] for row in readme_table("SmolLM2's KV cache at 4,096 tokens")}
+    assert rows["KIVI-2"] == [said("kivi2", 3), said("paperback @ kivi2", 3),
+                              said("paperback+evict, lookup KL <= 0.001 @ kivi2", 3)]
+    assert rows["INT4"] == [said("int4", 4), said("paperback @ int4", 4), ""]
+
+
 def test_the_gguf_table_matches_its_json():
     result = measured("gguf_recipes.json")
     kld = {(r["recipe"], r["tool"], r["text"]): r["kld"] for r in result["rows"] if r["model"] == "smollm2"}
