@@ -9,7 +9,7 @@ paperback loads no downloadable MoE model here, so the test models are made from
 Part moefy measures each MoEfied model against the dense one (perplexity and KL on WikiText-2 and PTB);
 part kv reads each back through the paged engine with every KV format (`paperback eval --kv-cache-dtype F --paged`) and
 answers a chat completion from `paperback serve --kv-cache-dtype F`; part speed times prefill and decode of the MoEfied
-model and of dense SmolLM2, in fp32 and packed at W4 (blocks and head), through `paperback bench`.
+model and of dense SmolLM2, in fp32 and packed at W4 (head at 8 bits), through `paperback bench`.
 Part allocation quantizes every routed expert at W2/W3/W4/W8 (asymmetric, groups of 64; GPTQ on the
 calibration tokens routed to it), and for each budget of average code bits per expert weight compares:
 NatScale (knapsack over KL-calibrated costs, priced in the budget's uniform context), uniform bits, ranking
@@ -257,9 +257,10 @@ def additivity(name: str, lm, args) -> dict:
 
 def speed(name: str, args) -> dict:
     """Prefill and decode speed of the MoEfied model against dense SmolLM2, each in fp32 and with its block
-    linears and output head packed at W4 as a W4 checkpoint is served (RTN, g128: speed does not depend on how
-    codes were chosen; an fp32 head would be most of a step's bytes), every configuration
-    through `paperback bench` in fresh worker processes (`bench_weight_speed.bench`: the fastest of --trials)."""
+    linears packed at W4 (RTN, g128: speed does not depend on how codes were chosen) and its output head at
+    quantize's default 8 bits, as a W4 checkpoint is served (an fp32 head would be most of a step's bytes),
+    every configuration through `paperback bench` in fresh worker processes (`bench_weight_speed.bench`: the
+    fastest of --trials)."""
     import tempfile
 
     from bench_weight_speed import QUANTIZED, bench
